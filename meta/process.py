@@ -1,0 +1,65 @@
+"""`shardgrid meta`: one metadata-service node (PySyncObj + the HTTP API)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+from aiohttp import web
+
+from meta.raft import MetaRaft, RaftPeer
+from meta.server import MetaServer, MetaServerConfig
+from shardgrid.log import setup_logging
+
+
+@dataclass(frozen=True)
+class MetaProcessConfig:
+    me: RaftPeer
+    peers: list[RaftPeer]
+    data_dir: Path
+    password: str
+    admin_token: str | None
+
+
+def parse_peers(spec: str) -> list[RaftPeer]:
+    """`m2/127.0.0.1:7002/127.0.0.1:7102,m3/...` -> peers (id/raft/http)."""
+    peers = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split("/")
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"bad peer {item!r}: expected ID/RAFT_HOST:PORT/HTTP_HOST:PORT")
+        peers.append(RaftPeer(*parts))
+    return peers
+
+
+def _split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+async def serve(cfg: MetaProcessConfig) -> None:
+    log = setup_logging("meta", cfg.me.id)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password, loop)
+    server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token), log)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = _split_hostport(cfg.me.http)
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    log.info("meta_started", raft=cfg.me.raft, http=cfg.me.http, peers=[p.id for p in cfg.peers],
+             data=str(cfg.data_dir))
+    await stop.wait()
+    log.info("meta_stopping")
+    await runner.cleanup()
+    raft.close()
+    log.info("meta_stopped")
+
+
+def main(cfg: MetaProcessConfig) -> int:
+    uvloop.run(serve(cfg))
+    return 0

@@ -1,0 +1,296 @@
+"""The metadata service's HTTP API, and the controller loop on the Raft leader.
+
+Reads are served from this node's applied state (each answer carries its
+`revision`, so a watcher can tell old from new). Writes go through the Raft
+log from any node (PySyncObj forwards a follower's command to the leader).
+Heartbeats are soft state and live on the Raft leader only: a follower answers
+them with `not_leader` naming the leader's HTTP address, and `MetaClient`
+follows it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import Gauge
+
+from meta.controller import GroupReport, SetLeader, SoftState, decide
+from meta.raft import MetaRaft, RaftUnavailable
+from meta.state import GroupRecord
+from shardgrid.auth import check_bearer
+from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.wire import LOGGER_KEY, ApiError, error_middleware, json_response
+from topology.errors import TopologyError
+from topology.loader import load_topology
+from topology.model import GroupSpec, Topology
+from topology.plan import action_to_dict, plan, render_plan
+
+MAX_TOPOLOGY_BYTES = 1 << 20
+MAX_WATCH_S = 60.0
+COMMAND_TIMEOUT_S = 5.0
+CONTROLLER_PERIOD_S = 0.1
+DEFAULT_LEASE_MS = 1500
+
+SERVER_KEY: web.AppKey["MetaServer"] = web.AppKey("meta_server", object)  # type: ignore[arg-type]
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+@dataclass
+class MetaServerConfig:
+    admin_token: str | None = None
+    controller: bool = True
+
+
+class MetaServer:
+    def __init__(self, raft: MetaRaft, config: MetaServerConfig, log: Any) -> None:
+        self.raft = raft
+        self.config = config
+        self.log = log
+        self.soft: SoftState | None = None
+        self.heartbeat_raw: dict[str, dict[str, Any]] = {}
+        self.metrics = HttpMetrics("meta")
+        reg = self.metrics.registry
+        self.g_leader = Gauge("shardgrid_meta_is_leader", "1 on the meta Raft leader", registry=reg)
+        self.g_revision = Gauge("shardgrid_meta_revision", "applied cluster revision", registry=reg)
+        self.g_raft_term = Gauge("shardgrid_meta_raft_term", "PySyncObj term", registry=reg)
+        self._controller_task: asyncio.Task[None] | None = None
+
+    # -- app ------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.metrics.middleware, error_middleware],
+                              client_max_size=MAX_TOPOLOGY_BYTES)
+        app[SERVER_KEY] = self
+        app[LOGGER_KEY] = self.log
+        r = app.router
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/metrics", self.metrics_handler)
+        r.add_get("/v1/status", self.status)
+        r.add_get("/v1/cluster", self.cluster)
+        r.add_get("/v1/topology", self.get_topology)
+        r.add_put("/v1/topology", self.put_topology)
+        r.add_post("/v1/groups/{gid}/transfer", self.not_yet)
+        r.add_post("/v1/groups/{gid}/replicas", self.not_yet)
+        r.add_post("/v1/workers/register", self.register_worker)
+        r.add_post("/v1/workers/{wid}/heartbeat", self.heartbeat)
+        app.on_startup.append(self._start_controller)
+        app.on_cleanup.append(self._stop_controller)
+        return app
+
+    async def _start_controller(self, app: web.Application) -> None:
+        if self.config.controller:
+            self._controller_task = asyncio.create_task(self._controller_loop())
+
+    async def _stop_controller(self, app: web.Application) -> None:
+        if self._controller_task is not None:
+            self._controller_task.cancel()
+            try:
+                await self._controller_task
+            except asyncio.CancelledError:
+                pass
+
+    # -- helpers ---------------------------------------------------------------
+
+    async def _submit(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self.raft.submit(cmd, COMMAND_TIMEOUT_S)
+        except RaftUnavailable as exc:
+            leader = self.raft.leader()
+            raise ApiError("unavailable",
+                           f"the metadata log did not commit the change ({exc.reason}); "
+                           "the outcome is unknown: re-read and retry",
+                           meta_leader=leader.id if leader else None) from None
+
+    @staticmethod
+    def _raise_failed(result: dict[str, Any]) -> None:
+        if not result.get("ok"):
+            extra = {k: v for k, v in result.items() if k not in ("ok", "code", "message")}
+            raise ApiError(result["code"], result["message"], **extra)
+
+    def _meta_nodes(self) -> list[dict[str, str]]:
+        return [{"id": p.id, "raft": p.raft, "http": p.http} for p in [self.raft.me, *self.raft.peers]]
+
+    def _lease_ms(self) -> int:
+        topo = self.raft.sm.topology
+        if topo is None:
+            return DEFAULT_LEASE_MS
+        return int(topo["settings"]["lease_ms"])
+
+    # -- handlers -------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        leader = self.raft.leader()
+        return json_response({"ok": True, "id": self.raft.me.id, "leader": leader.id if leader else None,
+                              "is_leader": self.raft.is_leader(), "revision": self.raft.sm.revision})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        status = self.raft.status()
+        self.g_leader.set(1 if status["role"] == "leader" else 0)
+        self.g_revision.set(status["revision"])
+        self.g_raft_term.set(status["raft_term"])
+        return await self.metrics.handle_metrics(request)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return json_response(self.raft.status())
+
+    def cluster_view(self) -> dict[str, Any]:
+        view = self.raft.sm.view()
+        leader = self.raft.leader()
+        view["meta"] = self._meta_nodes()
+        view["meta_leader"] = leader.id if leader else None
+        view["served_by"] = self.raft.me.id
+        if self.soft is not None and self.raft.is_leader():
+            now, lease = _now_ms(), self._lease_ms()
+            for wid, w in view["workers"].items():
+                seen = self.soft.workers.get(wid)
+                w["live"] = seen is not None and now - seen.last_seen_ms < lease
+                w["last_seen_ms_ago"] = None if seen is None else now - seen.last_seen_ms
+                w["report"] = self.heartbeat_raw.get(wid)
+        return view
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        wait = request.query.get("wait")
+        if wait is not None:
+            try:
+                after = int(wait)
+                timeout = min(float(request.query.get("timeout", "30")), MAX_WATCH_S)
+            except ValueError:
+                raise ApiError("bad_request", "wait must be an integer revision and timeout a number of seconds")
+            deadline = time.monotonic() + max(timeout, 0.0)
+            while self.raft.sm.revision <= after:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await self.raft.wait_changed(remaining)
+        return json_response(self.cluster_view())
+
+    async def get_topology(self, request: web.Request) -> web.Response:
+        sm = self.raft.sm
+        if sm.topology_text is None:
+            raise ApiError("not_found", "no topology has been applied yet (topoctl apply FILE)")
+        return web.Response(text=sm.topology_text, content_type="application/yaml",
+                            headers={"x-topology-revision": str(sm.topology_revision)})
+
+    async def put_topology(self, request: web.Request) -> web.Response:
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        body = await request.read()
+        dry_run = request.query.get("dry_run", "") in ("1", "true", "yes")
+        pinned = request.query.get("expect_revision")
+        try:
+            expect = int(pinned) if pinned is not None else None
+        except ValueError:
+            raise ApiError("bad_request", "expect_revision must be an integer") from None
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while True:
+            sm = self.raft.sm
+            revision = sm.topology_revision if expect is None else expect
+            live = Topology.from_dict(sm.topology) if sm.topology is not None else None
+            try:
+                desired = load_topology(body, live=live)
+            except TopologyError as err:
+                raise ApiError("bad_request", "invalid topology", errors=err.to_list()) from None
+            current = [GroupSpec(g.id, g.leader or "", tuple(g.voters)) for g in sm.groups.values()]
+            actions = plan(current, desired.groups)
+            unchanged = sm.topology == desired.to_dict()
+            answer = {"dry_run": dry_run, "changed": not unchanged, "plan": [action_to_dict(a) for a in actions],
+                      "plan_text": render_plan(actions), "topology_revision": sm.topology_revision}
+            if dry_run or unchanged:
+                return json_response(answer)
+            result = await self._submit({"op": "put_topology", "text": body.decode("utf-8"),
+                                         "topology": desired.to_dict(), "expect_revision": revision})
+            if result.get("ok"):
+                answer.update(changed=result.get("changed", True), topology_revision=result["topology_revision"],
+                              revision=result["revision"])
+                self.log.info("topology_applied", topology_revision=result["topology_revision"],
+                              actions=len(actions))
+                return json_response(answer)
+            if result["code"] == "conflict" and expect is None and time.monotonic() < deadline:
+                # Our applied state was behind the log: wait for it and re-plan.
+                await self.raft.wait_changed(0.1)
+                continue
+            self._raise_failed(result)
+
+    async def not_yet(self, request: web.Request) -> web.Response:
+        raise ApiError("not_implemented", "leader transfer and replica moves need workers; "
+                       "they arrive with the worker and operator-verb milestones")
+
+    async def register_worker(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        wid, addr = body.get("id"), body.get("addr")
+        if not isinstance(wid, str) or not wid or not isinstance(addr, str) or ":" not in addr:
+            raise ApiError("bad_request", "register needs {\"id\": str, \"addr\": \"host:port\", \"zone\": str}")
+        zone = body.get("zone")
+        if zone is not None and not isinstance(zone, str):
+            raise ApiError("bad_request", "zone must be a string")
+        result = await self._submit({"op": "register_worker", "id": wid, "addr": addr, "zone": zone})
+        self._raise_failed(result)
+        return json_response(result)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        if not self.raft.is_leader() or self.soft is None:
+            leader = self.raft.leader()
+            raise ApiError("not_leader", "heartbeats go to the meta leader",
+                           leader=leader.id if leader else None, leader_http=leader.http if leader else None)
+        wid = request.match_info["wid"]
+        body = await _json_body(request)
+        raw_groups = body.get("groups", {})
+        if not isinstance(raw_groups, dict):
+            raise ApiError("bad_request", "groups must be an object keyed by group id")
+        reports: dict[int, GroupReport] = {}
+        try:
+            for gid, rep in raw_groups.items():
+                reports[int(gid)] = GroupReport(
+                    term=int(rep.get("term", 0)), role=str(rep.get("role", "follower")),
+                    last_term=int(rep.get("last_term", 0)), last_seq=int(rep.get("last_seq", 0)),
+                    commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)))
+        except (TypeError, ValueError, AttributeError):
+            raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
+                from None
+        self.soft.heard_from(wid, _now_ms(), reports)
+        self.heartbeat_raw[wid] = body
+        return json_response({"ok": True, "revision": self.raft.sm.revision})
+
+    # -- controller -------------------------------------------------------------------
+
+    async def _controller_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CONTROLLER_PERIOD_S)
+            if not self.raft.is_leader():
+                self.soft = None
+                continue
+            if self.soft is None:
+                self.soft = SoftState(leader_since_ms=_now_ms())
+                self.log.info("meta_leader_elected", waiting_lease_ms=self._lease_ms())
+            try:
+                await self._controller_pass()
+            except ApiError as err:
+                self.log.warning("controller_action_failed", code=err.code, message=err.message)
+
+    async def _controller_pass(self) -> None:
+        assert self.soft is not None
+        groups: list[GroupRecord] = list(self.raft.sm.groups.values())
+        for action in decide(groups, self.soft, _now_ms(), self._lease_ms()):
+            if isinstance(action, SetLeader):
+                result = await self._submit({"op": "set_leader", "group": action.group, "leader": action.leader,
+                                             "expect_term": action.expect_term})
+                self.log.info("failover", group=action.group, new_leader=action.leader,
+                              expect_term=action.expect_term, reason=action.reason,
+                              ok=result.get("ok"), code=result.get("code"))
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise ApiError("bad_request", f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("bad_request", "the body must be a JSON object")
+    return body

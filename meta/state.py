@@ -1,0 +1,200 @@
+"""The replicated state of the metadata service, as a pure state machine.
+
+`MetaStateMachine.apply(cmd)` is deterministic and does no I/O: PySyncObj
+calls it on every meta node in log order (see `meta/raft.py`), so every node
+computes the same state. Every change is a compare-and-set against what the
+caller read: the topology against its revision, a group's leader against its
+term, a group's membership against its `conf_ver`. `set_leader` writes
+`term = expect_term + 1`, so each term of a group has exactly one leader:
+that is the fence the workers rely on.
+
+Commands and results are plain dicts (they are pickled into PySyncObj's log
+and must stay readable across versions).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from topology.model import Topology
+
+WORKER_STATES = ("active", "available", "draining", "removed")
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    addr: str
+    zone: str = "default"
+    state: str = "available"
+
+
+@dataclass
+class GroupRecord:
+    id: int
+    term: int
+    leader: str | None
+    voters: list[str]
+    learners: list[str] = field(default_factory=list)
+    conf_ver: int = 1
+    preferred_leader: str | None = None
+    # The term whose leader finished the start-of-term protocol (0 = none yet).
+    ready_term: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.leader is not None and self.ready_term == self.term
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"ok": True, **fields}
+
+
+def fail(code: str, message: str, **fields: Any) -> dict[str, Any]:
+    return {"ok": False, "code": code, "message": message, **fields}
+
+
+class MetaStateMachine:
+    """Topology, workers and groups; `revision` bumps on every change."""
+
+    def __init__(self) -> None:
+        self.revision = 0
+        self.topology_revision = 0
+        self.topology_text: str | None = None
+        self.topology: dict[str, Any] | None = None
+        self.workers: dict[str, WorkerRecord] = {}
+        self.groups: dict[int, GroupRecord] = {}
+
+    # -- dispatch -----------------------------------------------------------
+
+    def apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        handler = getattr(self, "_cmd_" + str(cmd.get("op")), None)
+        if handler is None:
+            return fail("bad_request", f"unknown command {cmd.get('op')!r}")
+        result: dict[str, Any] = handler(cmd)
+        if result.get("ok") and result.get("changed", True):
+            self.revision += 1
+        result["revision"] = self.revision
+        return result
+
+    # -- commands -----------------------------------------------------------
+
+    def _cmd_put_topology(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["expect_revision"] != self.topology_revision:
+            return fail("conflict", f"topology revision is {self.topology_revision}, "
+                        f"expected {cmd['expect_revision']}: re-read and re-plan",
+                        topology_revision=self.topology_revision)
+        topo = Topology.from_dict(cmd["topology"])
+        if self.topology is not None and self.topology["shards"] != topo.shards:
+            # The caller validated against this revision; this guards the log itself.
+            return fail("bad_request", "shards cannot change on a live cluster")
+        if self.topology == cmd["topology"]:
+            # Same model (perhaps other comments or spacing): nothing to do.
+            return ok(changed=False, topology_revision=self.topology_revision)
+        self.topology_text = cmd["text"]
+        self.topology = cmd["topology"]
+        self.topology_revision += 1
+        declared = {w.id for w in topo.workers}
+        for spec in topo.workers:
+            rec = self.workers.get(spec.id)
+            if rec is None:
+                self.workers[spec.id] = WorkerRecord(spec.id, spec.http, spec.zone, "active")
+            else:
+                rec.addr, rec.zone = spec.http, spec.zone
+                if rec.state in ("available", "removed"):
+                    rec.state = "active"
+        for rec in self.workers.values():
+            if rec.id not in declared and rec.state == "active":
+                rec.state = "available"
+        created = []
+        for g in topo.groups:
+            current = self.groups.get(g.id)
+            if current is None:
+                self.groups[g.id] = GroupRecord(id=g.id, term=1, leader=g.leader, voters=list(g.replicas),
+                                                preferred_leader=g.leader)
+                created.append(g.id)
+            else:
+                # Replica and leader moves of a live group are staged by the
+                # controller's reconcile; the topology records the intent.
+                current.preferred_leader = g.leader
+        return ok(topology_revision=self.topology_revision, created_groups=created)
+
+    def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        wid, addr, zone = cmd["id"], cmd["addr"], cmd.get("zone") or "default"
+        rec = self.workers.get(wid)
+        if rec is None:
+            self.workers[wid] = WorkerRecord(wid, addr, zone, "available")
+            return ok(state="available")
+        if rec.addr == addr and rec.zone == zone:
+            return ok(changed=False, state=rec.state)
+        rec.addr, rec.zone = addr, zone
+        return ok(state=rec.state)
+
+    def _cmd_set_worker_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        rec = self.workers.get(cmd["id"])
+        if rec is None:
+            return fail("not_found", f"no worker {cmd['id']!r}")
+        if cmd["state"] not in WORKER_STATES:
+            return fail("bad_request", f"worker state must be one of {', '.join(WORKER_STATES)}")
+        if rec.state == cmd["state"]:
+            return ok(changed=False)
+        rec.state = cmd["state"]
+        return ok()
+
+    def _cmd_set_leader(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        g = self.groups.get(cmd["group"])
+        if g is None:
+            return fail("not_found", f"no group {cmd['group']}")
+        if g.term != cmd["expect_term"]:
+            return fail("conflict", f"group {g.id} is at term {g.term}, expected {cmd['expect_term']}",
+                        term=g.term, leader=g.leader)
+        if cmd["leader"] not in g.voters:
+            return fail("bad_request", f"{cmd['leader']!r} is not a voter of group {g.id}",
+                        voters=list(g.voters))
+        g.term += 1
+        g.leader = cmd["leader"]
+        return ok(group=g.id, term=g.term, leader=g.leader)
+
+    def _cmd_set_ready(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        g = self.groups.get(cmd["group"])
+        if g is None:
+            return fail("not_found", f"no group {cmd['group']}")
+        if g.term != cmd["term"] or g.leader != cmd["leader"]:
+            return fail("conflict", f"group {g.id} is at term {g.term} led by {g.leader}",
+                        term=g.term, leader=g.leader)
+        if g.ready_term == g.term:
+            return ok(changed=False)
+        g.ready_term = g.term
+        return ok()
+
+    def _cmd_set_members(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        g = self.groups.get(cmd["group"])
+        if g is None:
+            return fail("not_found", f"no group {cmd['group']}")
+        if g.conf_ver != cmd["expect_conf_ver"]:
+            return fail("conflict", f"group {g.id} is at conf_ver {g.conf_ver}, expected {cmd['expect_conf_ver']}",
+                        conf_ver=g.conf_ver)
+        voters, learners = list(cmd["voters"]), list(cmd["learners"])
+        if not voters or set(voters) & set(learners):
+            return fail("bad_request", "voters must be non-empty and disjoint from learners")
+        g.voters, g.learners = voters, learners
+        g.conf_ver += 1
+        return ok(conf_ver=g.conf_ver)
+
+    # -- reads --------------------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """The routing state every gateway and worker watches (plain data)."""
+        groups = {}
+        for gid, g in sorted(self.groups.items()):
+            d = asdict(g)
+            d["ready"] = g.ready
+            groups[gid] = d
+        return {
+            "revision": self.revision,
+            "topology_revision": self.topology_revision,
+            "topology": copy.deepcopy(self.topology),
+            "workers": {wid: asdict(w) for wid, w in sorted(self.workers.items())},
+            "groups": groups,
+        }

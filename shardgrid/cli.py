@@ -1,0 +1,71 @@
+"""`shardgrid ...`: the server processes and the local dev cluster."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shardgrid.auth import read_secret
+
+
+def _cmd_meta(args: argparse.Namespace) -> int:
+    from meta.process import MetaProcessConfig, main as meta_main, parse_peers
+    from meta.raft import RaftPeer
+
+    password = read_secret(args.secret_file, "SHARDGRID_SECRET")
+    if password is None:
+        sys.stderr.write("shardgrid meta: a cluster secret is required (--secret-file or SHARDGRID_SECRET): "
+                         "PySyncObj's transport is pickle and must be encrypted\n")
+        return 2
+    try:
+        peers = parse_peers(args.peers)
+    except ValueError as exc:
+        sys.stderr.write(f"shardgrid meta: --peers: {exc}\n")
+        return 2
+    cfg = MetaProcessConfig(
+        me=RaftPeer(args.id, args.raft, args.http),
+        peers=peers,
+        data_dir=Path(args.data),
+        password=password,
+        admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
+    )
+    return meta_main(cfg)
+
+
+def _cmd_dev(args: argparse.Namespace) -> int:
+    from shardgrid.devcluster import DevOptions, run_dev
+
+    return run_dev(DevOptions(data=Path(args.data), fresh=args.fresh, topology=Path(args.topology)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardgrid", description="shardgrid: sharded, quorum-replicated data service")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("meta", help="run one metadata-service node")
+    m.add_argument("--id", required=True)
+    m.add_argument("--raft", required=True, help="host:port of this node's Raft transport")
+    m.add_argument("--http", required=True, help="host:port of this node's HTTP API")
+    m.add_argument("--peers", default="", help="the other nodes: ID/RAFT/HTTP,ID/RAFT/HTTP")
+    m.add_argument("--data", required=True, help="directory for the Raft journal and dump")
+    m.add_argument("--secret-file", default=None, help="cluster secret (else env SHARDGRID_SECRET)")
+    m.add_argument("--admin-token-file", default=None, help="admin token (else env SHARDGRID_ADMIN_TOKEN)")
+    m.set_defaults(func=_cmd_meta)
+
+    from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
+
+    d = sub.add_parser("dev", help="run a local cluster as child processes on loopback")
+    d.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
+    d.add_argument("--fresh", action="store_true", help="wipe the data directory first")
+    d.add_argument("--topology", default=str(default_topology_path()), help="topology file to apply")
+    d.set_defaults(func=_cmd_dev)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""topoctl: the operator's command line for a shardgrid cluster.
+
+    topoctl apply FILE [--dry-run]   validate, print the plan, apply it (compare-and-set)
+    topoctl status [--json]          meta nodes and who leads, groups, workers
+    topoctl get                      the applied topology YAML
+
+Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
+Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from meta.client import MetaClient, MetaError, MetaUnreachable
+from shardgrid.auth import read_secret
+from topology.errors import TopologyError
+from topology.loader import load_topology
+
+DEFAULT_META = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
+EXIT_REJECTED = 1
+EXIT_UNREACHABLE = 3
+
+
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _client(args: argparse.Namespace) -> MetaClient:
+    addrs = [a.strip() for a in args.meta.split(",") if a.strip()]
+    token = read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN")
+    return MetaClient(addrs, admin_token=token, deadline_s=args.timeout)
+
+
+# -- apply ---------------------------------------------------------------------
+
+async def cmd_apply(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        _err(f"topoctl: cannot read {path}: {exc.strerror}")
+        return EXIT_REJECTED
+    try:
+        load_topology(raw)  # offline check first: errors even when meta is down
+    except TopologyError as err:
+        _err(f"topoctl: {path} is invalid; nothing was applied:")
+        for e in err.errors:
+            _err(f"  {e.path or '<root>'}: {e.message}")
+        return EXIT_REJECTED
+    text = raw.decode("utf-8")
+    async with _client(args) as client:
+        preview = await client.put_topology(text, dry_run=True)
+        _out(f"plan against topology revision {preview['topology_revision']}:")
+        for line in preview["plan_text"].splitlines():
+            _out(f"  {line}")
+        if not preview["changed"]:
+            _out("topology unchanged: nothing to apply")
+            return 0
+        if args.dry_run:
+            _out("dry run: nothing applied")
+            return 0
+        result = await client.put_topology(text, expect_revision=preview["topology_revision"])
+        _out(f"applied: topology revision {result['topology_revision']} (cluster revision {result.get('revision')})")
+        return 0
+
+
+# -- status ----------------------------------------------------------------------
+
+async def gather_status(client: MetaClient) -> dict[str, Any]:
+    view = await client.cluster()
+    nodes = view.get("meta", [])
+
+    async def one(node: dict[str, str]) -> dict[str, Any]:
+        try:
+            st = await client.status(node["http"])
+            return {"id": node["id"], "http": node["http"], "up": True, "role": st["role"], "leader": st["leader"],
+                    "revision": st["revision"], "raft_term": st["raft_term"]}
+        except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+            return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
+        except Exception as exc:  # noqa: BLE001 - aiohttp raises a family of errors; any means "down"
+            return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
+
+    view["meta_nodes"] = list(await asyncio.gather(*(one(n) for n in nodes)))
+    return view
+
+
+def render_status(st: dict[str, Any]) -> str:
+    lines = []
+    topo = st.get("topology") or {}
+    lines.append(f"cluster {topo.get('cluster', '(no topology applied)')}  revision {st['revision']}  "
+                 f"topology revision {st['topology_revision']}  meta leader {st.get('meta_leader') or '-'}")
+    lines.append("")
+    lines.append(f"{'META':<8} {'HTTP':<22} {'STATE':<10} {'REVISION':>8}")
+    for n in st["meta_nodes"]:
+        state = n["role"] if n["up"] else "DOWN"
+        lines.append(f"{n['id']:<8} {n['http']:<22} {state:<10} {n.get('revision', '-'):>8}")
+    lines.append("")
+    lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'VOTERS':<24} LEARNERS")
+    for gid, g in sorted(st["groups"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"{gid:<6} {g['term']:>5} {g['leader'] or '-':<10} {'yes' if g['ready'] else 'no':<6} "
+                     f"{','.join(g['voters']):<24} {','.join(g['learners']) or '-'}")
+    lines.append("")
+    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} LIVE")
+    for wid, w in sorted(st["workers"].items()):
+        live = {True: "yes", False: "no"}.get(w.get("live"), "?")
+        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live}")
+    return "\n".join(lines)
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        st = await gather_status(client)
+    if args.json:
+        _out(orjson.dumps(st, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+    else:
+        _out(render_status(st))
+    return 0
+
+
+async def cmd_get(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        text, _ = await client.get_topology()
+    sys.stdout.write(text)
+    return 0
+
+
+# -- main ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="topoctl", description="Operate a shardgrid cluster.")
+    p.add_argument("--meta", default=os.environ.get("SHARDGRID_META", DEFAULT_META),
+                   help="meta HTTP addresses, comma-separated (env SHARDGRID_META)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to keep trying the meta nodes before giving up (default 10)")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin token (else env SHARDGRID_ADMIN_TOKEN)")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
+    a.add_argument("file")
+    a.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    a.set_defaults(func=cmd_apply)
+    s = sub.add_parser("status", help="meta nodes, groups and workers")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_status)
+    g = sub.add_parser("get", help="print the applied topology YAML")
+    g.set_defaults(func=cmd_get)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(asyncio.run(args.func(args)))
+    except MetaUnreachable as exc:
+        _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
+        return EXIT_UNREACHABLE
+    except MetaError as exc:
+        _err(f"topoctl: {exc.code}: {exc.message}")
+        for e in exc.body.get("errors", []) if isinstance(exc.body, dict) else []:
+            _err(f"  {e.get('path') or '<root>'}: {e.get('message')}")
+        return EXIT_REJECTED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""What crosses the wire: the one error body shape, and msgpack frames.
+
+Every HTTP error anywhere in shardgrid is
+`{"error": {"code": ..., "message": ..., <context such as shard, term, leader>}}`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import orjson
+from aiohttp import web
+
+# HTTP status for each error code; a code not listed here is a server bug (500).
+STATUS_FOR_CODE: dict[str, int] = {
+    "bad_request": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "conflict": 409,
+    "payload_too_large": 413,
+    "not_leader": 503,
+    "unavailable": 503,
+    "quorum_timeout": 504,
+    "deadline_exceeded": 504,
+    "not_implemented": 501,
+    "internal": 500,
+}
+
+
+class ApiError(Exception):
+    """Raised by handlers; rendered by the error middleware as the error body."""
+
+    def __init__(self, code: str, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.context = context
+
+    @property
+    def status(self) -> int:
+        return STATUS_FOR_CODE.get(self.code, 500)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.code, self.message, **self.context)
+
+
+def error_body(code: str, message: str, **context: Any) -> dict[str, Any]:
+    inner: dict[str, Any] = {"code": code, "message": message}
+    inner.update({k: v for k, v in context.items() if v is not None})
+    return {"error": inner}
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return json_response(err.body(), status=err.status, headers=headers)
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpackb(data: bytes) -> Any:
+    # strict_map_key=False: group ids are ints used as map keys.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Turn ApiError and aiohttp's HTTP exceptions into the one error shape.
+
+    Unexpected exceptions become a 500 with a generic message (never a stack
+    trace on the wire); the trace goes to the log.
+    """
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                413: "payload_too_large"}.get(exc.status, "internal")
+        return json_response(error_body(code, exc.reason or code), status=exc.status)
+    except Exception:  # noqa: BLE001 - last line of defence: log, answer 500
+        log = request.app.get(LOGGER_KEY)
+        if log is not None:
+            log.exception("unhandled_error", path=request.path, method=request.method)
+        return json_response(error_body("internal", "internal error; see the server log"), status=500)
+
+
+LOGGER_KEY: web.AppKey[Any] = web.AppKey("shardgrid_logger", object)

@@ -1,0 +1,159 @@
+"""Real-process cluster harness for tier3 tests (and anything else that needs one).
+
+Every process runs in its own process group with PR_SET_PDEATHSIG (see
+`shardgrid.procs`), and `Cluster.close()` reaps them all; fixtures call it in
+a `finally`, so a failing or timed-out test leaves nothing behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+import orjson
+
+from shardgrid.procs import Child, stop_all
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `cond` until it returns a truthy value; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except (OSError, ValueError, KeyError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}" +
+                         (f" (last error: {last_exc!r})" if last_exc else ""))
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 2.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async def go() -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as s:
+            data = orjson.dumps(body) if body is not None and not isinstance(body, (bytes, str)) else body
+            async with s.request(method, url, data=data, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                raw = await r.read()
+                try:
+                    return r.status, orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    return r.status, raw.decode()
+    return asyncio.run(go())
+
+
+@dataclass
+class MetaSpec:
+    id: str
+    raft: str
+    http: str
+
+
+@dataclass
+class Cluster:
+    root: Path
+    meta: list[MetaSpec]
+    workers: list[tuple[str, str, str]]  # (id, http, zone) declared in the topology
+    children: dict[str, Child] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3) -> "Cluster":
+        ports = free_ports(2 * n_meta + n_workers)
+        meta = [MetaSpec(f"m{i + 1}", f"127.0.0.1:{ports[2 * i]}", f"127.0.0.1:{ports[2 * i + 1]}")
+                for i in range(n_meta)]
+        zones = "abc"
+        workers = [(f"w{i + 1}", f"127.0.0.1:{ports[2 * n_meta + i]}", zones[i % 3]) for i in range(n_workers)]
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "cluster.secret").write_text("tier3-test-secret\n")
+        return cls(root, meta, workers)
+
+    # -- topology ------------------------------------------------------------------
+
+    def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3") -> str:
+        lines = [f"cluster: {cluster}", f"shards: {shards}", f"replication_factor: {rf}", "plugin: entities",
+                 "meta:"]
+        lines += [f"  - {{id: {m.id}, raft: '{m.raft}', http: '{m.http}'}}" for m in self.meta]
+        lines.append("workers:")
+        lines += [f"  - {{id: {w}, http: '{h}', zone: {z}}}" for w, h, z in self.workers]
+        lines.append(f"settings: {{ack: quorum, quorum_timeout_ms: 2000, lease_ms: {lease_ms}, fsync: batch}}")
+        return "\n".join(lines) + "\n"
+
+    def write_topology(self, text: str, name: str = "topology.yaml") -> Path:
+        path = self.root / name
+        path.write_text(text)
+        return path
+
+    @property
+    def meta_addrs(self) -> str:
+        return ",".join(m.http for m in self.meta)
+
+    # -- meta processes --------------------------------------------------------------
+
+    def _meta_child(self, m: MetaSpec) -> Child:
+        peers = ",".join(f"{p.id}/{p.raft}/{p.http}" for p in self.meta if p.id != m.id)
+        argv = [sys.executable, "-m", "shardgrid.cli", "meta", "--id", m.id, "--raft", m.raft, "--http", m.http,
+                "--peers", peers, "--data", str(self.root / "meta" / m.id),
+                "--secret-file", str(self.root / "cluster.secret")]
+        return Child(m.id, argv, self.root / "logs" / f"{m.id}.log")
+
+    def start_meta(self, ids: list[str] | None = None) -> None:
+        for m in self.meta:
+            if ids is None or m.id in ids:
+                child = self._meta_child(m)
+                child.start()
+                self.children[m.id] = child
+
+    def meta_spec(self, mid: str) -> MetaSpec:
+        return next(m for m in self.meta if m.id == mid)
+
+    def status(self, mid: str) -> dict[str, Any]:
+        code, body = http_json("GET", f"http://{self.meta_spec(mid).http}/v1/status", timeout=1.0)
+        assert code == 200, body
+        return body  # type: ignore[no-any-return]
+
+    def leader(self, among: list[str] | None = None) -> str | None:
+        """The meta leader as every live node in `among` agrees on it, else None."""
+        seen = set()
+        for m in self.meta:
+            if among is not None and m.id not in among:
+                continue
+            seen.add(self.status(m.id)["leader"])
+        return seen.pop() if len(seen) == 1 and None not in seen else None
+
+    def wait_leader(self, among: list[str] | None = None, timeout: float = 15.0) -> str:
+        return str(wait_until(lambda: self.leader(among), timeout, "a meta leader everyone agrees on"))
+
+    def kill(self, name: str) -> None:
+        self.children[name].kill()
+
+    def close(self) -> None:
+        stop_all(list(self.children.values()))
+
+    # -- CLI -----------------------------------------------------------------------------
+
+    def topoctl(self, *args: str, timeout: float = 30.0, meta: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "shardgrid.topoctl", "--meta", meta or self.meta_addrs,
+                               "--timeout", str(max(1.0, timeout - 1.0)), *args],
+                              capture_output=True, text=True, timeout=timeout + 10)

@@ -1,0 +1,70 @@
+"""The controller's failover decision (a pure function)."""
+from __future__ import annotations
+
+from meta.controller import GroupReport, SetLeader, SoftState, decide
+from meta.state import GroupRecord
+
+LEASE = 1500
+
+
+def groups() -> list[GroupRecord]:
+    return [GroupRecord(id=i, term=5, leader=f"w{i + 1}", voters=["w1", "w2", "w3"], preferred_leader=f"w{i + 1}")
+            for i in range(3)]
+
+
+def soft_with(now: int, seen: dict[str, int], reports: dict[str, dict[int, tuple[int, int]]] | None = None) -> SoftState:
+    soft = SoftState(leader_since_ms=0)
+    for wid, at in seen.items():
+        reps = {gid: GroupReport(term=5, last_term=t, last_seq=s) for gid, (t, s) in (reports or {}).get(wid, {}).items()}
+        soft.heard_from(wid, at, reps)
+    return soft
+
+
+def test_no_action_while_everyone_is_live() -> None:
+    now = 10_000
+    assert decide(groups(), soft_with(now, {"w1": now, "w2": now, "w3": now}), now, LEASE) == []
+
+
+def test_only_the_dead_workers_groups_fail_over() -> None:
+    now = 10_000
+    soft = soft_with(now, {"w1": now - LEASE - 1, "w2": now, "w3": now},
+                     {"w2": {0: (5, 100)}, "w3": {0: (5, 90)}})
+    actions = decide(groups(), soft, now, LEASE)
+    assert actions == [SetLeader(group=0, leader="w2", expect_term=5, reason="leader w1 silent for 1500 ms")]
+
+
+def test_most_up_to_date_live_voter_wins_term_before_seq() -> None:
+    now = 10_000
+    soft = soft_with(now, {"w1": 0, "w2": now, "w3": now}, {"w2": {0: (4, 500)}, "w3": {0: (5, 10)}})
+    (action,) = decide(groups(), soft, now, LEASE)
+    assert action.leader == "w3"
+
+
+def test_tie_prefers_the_preferred_leader_then_lowest_id() -> None:
+    now = 10_000
+    gs = [GroupRecord(id=0, term=2, leader="w1", voters=["w1", "w2", "w3"], preferred_leader="w3")]
+    soft = soft_with(now, {"w2": now, "w3": now}, {"w2": {0: (2, 7)}, "w3": {0: (2, 7)}})
+    assert decide(gs, soft, now, LEASE)[0].leader == "w3"
+    gs[0].preferred_leader = "w1"
+    assert decide(gs, soft, now, LEASE)[0].leader == "w2"
+
+
+def test_a_new_meta_leader_waits_a_full_lease() -> None:
+    soft = SoftState(leader_since_ms=10_000)
+    soft.heard_from("w2", 10_100, {})
+    # w1 and w3 never heard from; w2 is live, but the lease since election has not passed.
+    assert decide(groups(), soft, 10_000 + LEASE - 1, LEASE) == []
+    after = decide(groups(), soft, 10_100 + LEASE - 1, LEASE)
+    assert {a.group for a in after} == {0, 2} and all(a.leader == "w2" for a in after)
+
+
+def test_no_live_voter_means_no_action() -> None:
+    now = 10_000
+    assert decide(groups(), soft_with(now, {"w1": 0, "w2": 0, "w3": 0}), now, LEASE) == []
+
+
+def test_non_voters_are_never_chosen() -> None:
+    now = 10_000
+    gs = [GroupRecord(id=0, term=1, leader="w1", voters=["w1", "w2", "w3"], learners=["w4"])]
+    soft = soft_with(now, {"w4": now}, {"w4": {0: (1, 999)}})
+    assert decide(gs, soft, now, LEASE) == []

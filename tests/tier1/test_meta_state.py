@@ -1,0 +1,110 @@
+"""The metadata state machine's compare-and-set rules."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meta.state import MetaStateMachine
+from topology.loader import load_topology
+
+EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").read_text()
+
+
+def put(sm: MetaStateMachine, text: str, expect: int) -> dict:
+    return sm.apply({"op": "put_topology", "text": text, "topology": load_topology(text).to_dict(),
+                     "expect_revision": expect})
+
+
+@pytest.fixture
+def sm() -> MetaStateMachine:
+    s = MetaStateMachine()
+    assert put(s, EXAMPLE, 0)["ok"]
+    return s
+
+
+def test_apply_creates_groups_at_term_one_with_declared_leaders(sm: MetaStateMachine) -> None:
+    assert sm.topology_revision == 1
+    assert {g.id: (g.term, g.leader, g.voters) for g in sm.groups.values()} == {
+        0: (1, "w1", ["w1", "w2", "w3"]), 1: (1, "w2", ["w1", "w2", "w3"]), 2: (1, "w3", ["w1", "w2", "w3"])}
+    assert {w.id: w.state for w in sm.workers.values()} == {"w1": "active", "w2": "active", "w3": "active"}
+    assert not any(g.ready for g in sm.groups.values())
+
+
+def test_put_topology_is_a_cas_on_the_revision(sm: MetaStateMachine) -> None:
+    text = EXAMPLE.replace("lease_ms: 1500", "lease_ms: 2500")
+    stale = put(sm, text, 0)
+    assert stale["ok"] is False and stale["code"] == "conflict" and stale["topology_revision"] == 1
+    assert sm.topology["settings"]["lease_ms"] == 1500
+    fresh = put(sm, text, 1)
+    assert fresh["ok"] and fresh["topology_revision"] == 2
+    assert sm.topology["settings"]["lease_ms"] == 2500
+
+
+def test_same_topology_twice_is_a_noop(sm: MetaStateMachine) -> None:
+    before = sm.revision
+    again = put(sm, EXAMPLE + "\n# a comment changes nothing\n", 1)
+    assert again["ok"] and again["changed"] is False
+    assert sm.revision == before and sm.topology_revision == 1
+
+
+def test_shard_count_cannot_change_through_the_log(sm: MetaStateMachine) -> None:
+    other = load_topology(EXAMPLE.replace("shards: 3", "shards: 4").split("groups:")[0])
+    res = sm.apply({"op": "put_topology", "text": "x", "topology": other.to_dict(), "expect_revision": 1})
+    assert res["ok"] is False and res["code"] == "bad_request"
+    assert sm.topology["shards"] == 3
+
+
+def test_set_leader_bumps_term_only_with_the_expected_term(sm: MetaStateMachine) -> None:
+    ok = sm.apply({"op": "set_leader", "group": 1, "leader": "w3", "expect_term": 1})
+    assert ok["ok"] and ok["term"] == 2 and sm.groups[1].leader == "w3"
+    # A second decision made on the same stale read must fail: one leader per term.
+    stale = sm.apply({"op": "set_leader", "group": 1, "leader": "w1", "expect_term": 1})
+    assert stale["ok"] is False and stale["code"] == "conflict" and stale["term"] == 2
+    assert sm.groups[1].leader == "w3" and sm.groups[1].term == 2
+    # Other groups are untouched.
+    assert sm.groups[0].term == 1 and sm.groups[2].term == 1
+
+
+def test_set_leader_refuses_a_non_voter(sm: MetaStateMachine) -> None:
+    res = sm.apply({"op": "set_leader", "group": 0, "leader": "w9", "expect_term": 1})
+    assert res["ok"] is False and res["code"] == "bad_request"
+    assert sm.groups[0].term == 1
+
+
+def test_set_ready_only_for_the_current_term_and_leader(sm: MetaStateMachine) -> None:
+    assert sm.apply({"op": "set_ready", "group": 0, "term": 1, "leader": "w2"})["code"] == "conflict"
+    assert sm.apply({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"})["ok"]
+    assert sm.groups[0].ready
+    sm.apply({"op": "set_leader", "group": 0, "leader": "w2", "expect_term": 1})
+    assert not sm.groups[0].ready
+    assert sm.apply({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"})["code"] == "conflict"
+
+
+def test_set_members_is_a_cas_on_conf_ver(sm: MetaStateMachine) -> None:
+    res = sm.apply({"op": "set_members", "group": 2, "voters": ["w1", "w2", "w3"], "learners": ["w4"],
+                    "expect_conf_ver": 1})
+    assert res["ok"] and res["conf_ver"] == 2
+    stale = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": [], "expect_conf_ver": 1})
+    assert stale["code"] == "conflict" and sm.groups[2].voters == ["w1", "w2", "w3"]
+    bad = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": ["w1"], "expect_conf_ver": 2})
+    assert bad["code"] == "bad_request"
+
+
+def test_revision_bumps_on_change_only(sm: MetaStateMachine) -> None:
+    r = sm.revision
+    sm.apply({"op": "register_worker", "id": "w4", "addr": "127.0.0.1:7204", "zone": "d"})
+    assert sm.revision == r + 1 and sm.workers["w4"].state == "available"
+    sm.apply({"op": "register_worker", "id": "w4", "addr": "127.0.0.1:7204", "zone": "d"})
+    assert sm.revision == r + 1
+    assert sm.apply({"op": "nope"})["code"] == "bad_request"
+    assert sm.revision == r + 1
+
+
+def test_view_is_plain_data(sm: MetaStateMachine) -> None:
+    import orjson
+
+    view = sm.view()
+    decoded = orjson.loads(orjson.dumps(view, option=orjson.OPT_NON_STR_KEYS))
+    assert decoded["groups"]["1"]["leader"] == "w2"
+    assert decoded["topology"]["cluster"] == "demo"

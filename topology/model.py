@@ -1,0 +1,112 @@
+"""The topology model: immutable, validated-once data shared by every process.
+
+Instances are built by `topology.loader.load_topology` (which validates) or
+by `Topology.from_dict` (which trusts data that came out of `to_dict`, e.g.
+the copy replicated by the metadata service).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+from typing import Any
+
+ACK_MODES = ("leader", "quorum", "all")
+FSYNC_MODES = ("batch", "always", "none")
+PLUGINS = ("entities", "layers")
+
+
+@dataclass(frozen=True)
+class MetaNode:
+    id: str
+    raft: str  # "host:port"
+    http: str  # "host:port"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    id: str
+    http: str  # "host:port"
+    zone: str = "default"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    id: int
+    leader: str
+    replicas: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Settings:
+    ack: str = "quorum"  # leader | quorum | all
+    quorum_timeout_ms: int = 2000
+    lease_ms: int = 1500
+    fsync: str = "batch"  # batch | always | none
+    deadline_ms: int = 5000  # default request deadline at gateways
+    snapshot_every: int = 10000  # entries between plugin snapshots
+    embedding_dim: int = 64  # fixed per cluster
+
+
+SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
+
+
+@dataclass(frozen=True)
+class Topology:
+    cluster: str
+    shards: int
+    replication_factor: int
+    plugin: str
+    meta: tuple[MetaNode, ...]
+    workers: tuple[WorkerSpec, ...]
+    groups: tuple[GroupSpec, ...]  # always filled, sorted by id
+    settings: Settings
+    groups_explicit: bool  # True when the file had `groups:`
+
+    # Lookups sit on request paths (gateway, worker); index once per instance.
+    # cached_property writes to __dict__ directly, so it works on a frozen
+    # dataclass and stays out of eq/hash/repr/to_dict.
+    @cached_property
+    def _workers_by_id(self) -> dict[str, WorkerSpec]:
+        return {w.id: w for w in self.workers}
+
+    @cached_property
+    def _groups_by_id(self) -> dict[int, GroupSpec]:
+        return {g.id: g for g in self.groups}
+
+    def worker(self, wid: str) -> WorkerSpec | None:
+        return self._workers_by_id.get(wid)
+
+    def group(self, gid: int) -> GroupSpec | None:
+        return self._groups_by_id.get(gid)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, int, bool, lists, dicts): JSON- and msgpack-able."""
+        return {
+            "cluster": self.cluster,
+            "shards": self.shards,
+            "replication_factor": self.replication_factor,
+            "plugin": self.plugin,
+            "meta": [asdict(m) for m in self.meta],
+            "workers": [asdict(w) for w in self.workers],
+            "groups": [{"id": g.id, "leader": g.leader, "replicas": list(g.replicas)} for g in self.groups],
+            "settings": asdict(self.settings),
+            "groups_explicit": self.groups_explicit,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Topology:
+        """Inverse of `to_dict`. Does not re-validate: use the loader for input."""
+        return cls(
+            cluster=d["cluster"],
+            shards=d["shards"],
+            replication_factor=d["replication_factor"],
+            plugin=d["plugin"],
+            meta=tuple(MetaNode(id=m["id"], raft=m["raft"], http=m["http"]) for m in d["meta"]),
+            workers=tuple(WorkerSpec(id=w["id"], http=w["http"], zone=w["zone"]) for w in d["workers"]),
+            groups=tuple(
+                GroupSpec(id=g["id"], leader=g["leader"], replicas=tuple(g["replicas"])) for g in d["groups"]
+            ),
+            # Settings missing from an older stored copy take their defaults.
+            settings=Settings(**d["settings"]),
+            groups_explicit=d["groups_explicit"],
+        )

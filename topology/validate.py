@@ -1,0 +1,431 @@
+"""Validation of a parsed topology document (plain YAML data) into a `Topology`.
+
+Every problem is collected with the path of its field and raised as one
+`TopologyError`; nothing partial is ever returned. Checks that depend on an
+invalid field are skipped rather than reported as consequences (a replica is
+not "unknown" just because the `workers` list itself was malformed).
+
+Beyond the brief in DESIGN.md §3, a live cluster (`live=`) also refuses a
+different `cluster` name (the file is probably for another cluster), a
+different `plugin` and a different `settings.embedding_dim`: the data on the
+workers is laid out for those and cannot be converted by an apply.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from topology.address import address_key, parse_address
+from topology.errors import FieldError, TopologyError
+from topology.model import (
+    ACK_MODES,
+    FSYNC_MODES,
+    PLUGINS,
+    SETTINGS_FIELDS,
+    GroupSpec,
+    MetaNode,
+    Settings,
+    Topology,
+    WorkerSpec,
+)
+from topology.placement import place_groups
+
+MAX_SHARDS = 4096
+MAX_ID_LEN = 64
+# Settings end up in timers and wire formats of other languages: keep them in int32.
+MAX_SETTING_INT = 2**31 - 1
+
+_ID_RE = re.compile(r"[A-Za-z0-9_-]+")
+_CLUSTER_RE = re.compile(r"[a-z0-9_-]+")
+_ZONE_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+TOP_KEYS = ("cluster", "shards", "replication_factor", "plugin", "meta", "workers", "groups", "settings")
+TOP_REQUIRED = ("cluster", "shards", "replication_factor", "meta", "workers")
+META_KEYS = ("id", "raft", "http")
+WORKER_KEYS = ("id", "http", "zone")
+WORKER_REQUIRED = ("id", "http")
+GROUP_KEYS = ("id", "leader", "replicas")
+SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every", "embedding_dim")
+SETTINGS_ENUMS = {"ack": ACK_MODES, "fsync": FSYNC_MODES}
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_name(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "list"
+    if isinstance(v, dict):
+        return "mapping"
+    return type(v).__name__
+
+
+class _Checker:
+    """Collects FieldErrors; the `want_*` helpers return None when the value is bad."""
+
+    def __init__(self) -> None:
+        self.errors: list[FieldError] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.errors.append(FieldError(path, message))
+
+    def keys(self, mapping: dict[Any, Any], path: str, allowed: Sequence[str], required: Sequence[str]) -> None:
+        for key in mapping:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(allowed)}"
+                self.add(_join(path, key), f"unknown key ({hint})")
+        for key in required:
+            if key not in mapping:
+                self.add(_join(path, key), "required key is missing")
+
+    def want_mapping(self, v: object, path: str) -> dict[Any, Any] | None:
+        if isinstance(v, dict):
+            return v
+        self.add(path, f"expected a mapping, got {_type_name(v)}")
+        return None
+
+    def want_list(self, v: object, path: str, what: str) -> list[Any] | None:
+        if isinstance(v, list):
+            return v
+        self.add(path, f"expected a list of {what}, got {_type_name(v)}")
+        return None
+
+    def want_str(self, v: object, path: str) -> str | None:
+        if isinstance(v, str):
+            return v
+        hint = ""
+        if isinstance(v, bool):
+            hint = " (YAML reads yes/no/on/off/true/false as booleans: quote the value)"
+        elif isinstance(v, (int, float)):
+            hint = " (quote the value)"
+        self.add(path, f"expected a string, got {_type_name(v)}{hint}")
+        return None
+
+    def want_int(self, v: object, path: str, lo: int, hi: int) -> int | None:
+        # bool is a subclass of int in Python; `shards: yes` must not mean 1.
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.add(path, f"expected an integer, got {_type_name(v)}")
+            return None
+        if not lo <= v <= hi:
+            self.add(path, f"must be between {lo} and {hi}, got {v}")
+            return None
+        return v
+
+    def want_id(self, v: object, path: str) -> str | None:
+        s = self.want_str(v, path)
+        if s is None:
+            return None
+        if not s or len(s) > MAX_ID_LEN or not _ID_RE.fullmatch(s):
+            self.add(path, f"invalid id {s!r}: use 1 to {MAX_ID_LEN} characters from A-Z a-z 0-9 _ -")
+            return None
+        return s
+
+    def want_address(self, v: object, path: str) -> str | None:
+        s = self.want_str(v, path)
+        if s is None:
+            return None
+        try:
+            parse_address(s)
+        except ValueError as e:
+            self.add(path, str(e))
+            return None
+        return s
+
+    def want_choice(self, v: object, path: str, choices: Sequence[str]) -> str | None:
+        s = self.want_str(v, path)
+        if s is None:
+            return None
+        if s not in choices:
+            self.add(path, f"must be one of {', '.join(choices)}, got {s!r}")
+            return None
+        return s
+
+
+def build_topology(doc: object, *, live: Topology | None = None) -> Topology:
+    """Validate a parsed document; raise TopologyError listing every problem."""
+    c = _Checker()
+    if not isinstance(doc, dict):
+        what = "an empty document" if doc is None else f"a {_type_name(doc)}"
+        raise TopologyError([FieldError("", f"the topology must be a mapping at the top level, got {what}")])
+    c.keys(doc, "", TOP_KEYS, TOP_REQUIRED)
+
+    cluster = None
+    if "cluster" in doc:
+        cluster = c.want_str(doc["cluster"], "cluster")
+        if cluster is not None and (not cluster or len(cluster) > MAX_ID_LEN or not _CLUSTER_RE.fullmatch(cluster)):
+            c.add("cluster", f"invalid cluster name {cluster!r}: use 1 to {MAX_ID_LEN} characters from a-z 0-9 _ -")
+            cluster = None
+    if live is not None and cluster is not None and cluster != live.cluster:
+        c.add("cluster", f"this file is for cluster {cluster!r} but the live cluster is {live.cluster!r}")
+    shards = c.want_int(doc["shards"], "shards", 1, MAX_SHARDS) if "shards" in doc else None
+    if live is not None and shards is not None and shards != live.shards:
+        c.add("shards", f"cannot change from {live.shards} to {shards} on a live cluster: "
+                        "resharding is a separate operation")
+    plugin = c.want_choice(doc["plugin"], "plugin", PLUGINS) if "plugin" in doc else PLUGINS[0]
+    if live is not None and plugin is not None and plugin != live.plugin:
+        c.add("plugin", f"cannot change from {live.plugin!r} to {plugin!r} on a live cluster")
+
+    addresses = _AddressBook(c)
+    meta = _meta_nodes(c, doc["meta"], addresses) if "meta" in doc else None
+    workers, n_workers, declared = _workers(c, doc["workers"], addresses) if "workers" in doc else (None, None, None)
+
+    rf = None
+    if "replication_factor" in doc:
+        rf = c.want_int(doc["replication_factor"], "replication_factor", 1, MAX_SHARDS)
+        if rf is not None and n_workers is not None and rf > n_workers:
+            c.add("replication_factor", f"{rf} exceeds the number of workers ({n_workers})")
+            rf = None
+
+    settings = _settings(c, doc["settings"]) if "settings" in doc else Settings()
+    if live is not None and settings is not None and settings.embedding_dim != live.settings.embedding_dim:
+        c.add("settings.embedding_dim", f"cannot change from {live.settings.embedding_dim} to "
+                                        f"{settings.embedding_dim} on a live cluster")
+
+    groups: tuple[GroupSpec, ...] | None = None
+    explicit = "groups" in doc
+    if explicit:
+        groups = _groups(c, doc["groups"], shards, rf, declared)
+
+    if c.errors:
+        raise TopologyError(c.errors)
+    # No errors means every field above was parsed; the asserts narrow types.
+    assert cluster is not None and shards is not None and rf is not None and plugin is not None
+    assert meta is not None and workers is not None and settings is not None
+    if groups is None:
+        groups = place_groups(workers, shards, rf)
+    return Topology(
+        cluster=cluster,
+        shards=shards,
+        replication_factor=rf,
+        plugin=plugin,
+        meta=meta,
+        workers=workers,
+        groups=groups,
+        settings=settings,
+        groups_explicit=explicit,
+    )
+
+
+class _AddressBook:
+    """Reports an address used twice (meta raft, meta http, worker http alike)."""
+
+    def __init__(self, c: _Checker) -> None:
+        self._c = c
+        self._seen: dict[tuple[str, int], str] = {}
+
+    def claim(self, address: str | None, path: str) -> None:
+        if address is None:
+            return
+        key = address_key(address)
+        first = self._seen.get(key)
+        if first is not None:
+            self._c.add(path, f"address {address} is already used by {first}")
+        else:
+            self._seen[key] = path
+
+
+def _meta_nodes(c: _Checker, raw: object, addresses: _AddressBook) -> tuple[MetaNode, ...] | None:
+    items = c.want_list(raw, "meta", "meta nodes")
+    if items is None:
+        return None
+    ok = True
+    if not items:
+        c.add("meta", "at least one meta node is required (three for fault tolerance)")
+        ok = False
+    elif len(items) % 2 == 0:
+        c.add("meta", f"needs an odd number of nodes, got {len(items)}: an even count adds no fault tolerance")
+        ok = False
+    nodes: list[MetaNode] = []
+    seen: dict[str, str] = {}
+    for i, item in enumerate(items):
+        path = f"meta[{i}]"
+        m = c.want_mapping(item, path)
+        if m is None:
+            ok = False
+            continue
+        c.keys(m, path, META_KEYS, META_KEYS)
+        mid = c.want_id(m["id"], f"{path}.id") if "id" in m else None
+        if mid is not None:
+            if mid in seen:
+                c.add(f"{path}.id", f"duplicate meta id {mid!r} (also {seen[mid]})")
+                ok = False
+            else:
+                seen[mid] = f"{path}.id"
+        raft = c.want_address(m["raft"], f"{path}.raft") if "raft" in m else None
+        addresses.claim(raft, f"{path}.raft")
+        http = c.want_address(m["http"], f"{path}.http") if "http" in m else None
+        addresses.claim(http, f"{path}.http")
+        if mid is None or raft is None or http is None:
+            ok = False
+            continue
+        nodes.append(MetaNode(id=mid, raft=raft, http=http))
+    return tuple(nodes) if ok else None
+
+
+def _workers(
+    c: _Checker, raw: object, addresses: _AddressBook
+) -> tuple[tuple[WorkerSpec, ...] | None, int | None, set[str] | None]:
+    """Returns (workers, or None if any is bad; how many distinct workers the file
+    declares; their ids, or None when an entry has no usable id so any name might
+    be meant)."""
+    items = c.want_list(raw, "workers", "workers")
+    if items is None:
+        return None, None, None
+    if not items:
+        c.add("workers", "at least one worker is required")
+        return None, None, None
+    ok = True
+    ids_known = True
+    specs: list[WorkerSpec] = []
+    seen: dict[str, str] = {}
+    duplicates = 0
+    for i, item in enumerate(items):
+        path = f"workers[{i}]"
+        w = c.want_mapping(item, path)
+        if w is None:
+            ok = ids_known = False
+            continue
+        c.keys(w, path, WORKER_KEYS, WORKER_REQUIRED)
+        wid = c.want_id(w["id"], f"{path}.id") if "id" in w else None
+        if wid is None:
+            ids_known = False
+        else:
+            if wid in seen:
+                c.add(f"{path}.id", f"duplicate worker id {wid!r} (also {seen[wid]})")
+                duplicates += 1
+                ok = False
+            else:
+                seen[wid] = f"{path}.id"
+        http = c.want_address(w["http"], f"{path}.http") if "http" in w else None
+        addresses.claim(http, f"{path}.http")
+        zone: str | None = "default"
+        if "zone" in w:
+            zone = c.want_str(w["zone"], f"{path}.zone")
+            if zone is not None and (not zone or len(zone) > MAX_ID_LEN or not _ZONE_RE.fullmatch(zone)):
+                c.add(f"{path}.zone", f"invalid zone {zone!r}: use 1 to {MAX_ID_LEN} characters "
+                                      "from A-Z a-z 0-9 _ - .")
+                zone = None
+        if wid is None or http is None or zone is None:
+            ok = False
+            continue
+        specs.append(WorkerSpec(id=wid, http=http, zone=zone))
+    return (tuple(specs) if ok else None), len(items) - duplicates, (set(seen) if ids_known else None)
+
+
+def _settings(c: _Checker, raw: object) -> Settings | None:
+    m = c.want_mapping(raw, "settings")
+    if m is None:
+        return None
+    c.keys(m, "settings", SETTINGS_FIELDS, ())
+    values: dict[str, Any] = {}
+    ok = True
+    for key in SETTINGS_FIELDS:
+        if key not in m:
+            continue
+        path = f"settings.{key}"
+        if key in SETTINGS_ENUMS:
+            v: Any = c.want_choice(m[key], path, SETTINGS_ENUMS[key])
+        else:
+            v = c.want_int(m[key], path, 1, MAX_SETTING_INT)
+        if v is None:
+            ok = False
+        values[key] = v
+    return Settings(**values) if ok else None
+
+
+def _groups(
+    c: _Checker, raw: object, shards: int | None, rf: int | None, declared: set[str] | None
+) -> tuple[GroupSpec, ...] | None:
+    items = c.want_list(raw, "groups", "groups (omit `groups:` for automatic placement)")
+    if items is None:
+        return None
+    ok = True
+    specs: list[GroupSpec] = []
+    seen: dict[int, str] = {}
+    for i, item in enumerate(items):
+        path = f"groups[{i}]"
+        g = c.want_mapping(item, path)
+        if g is None:
+            ok = False
+            continue
+        c.keys(g, path, GROUP_KEYS, GROUP_KEYS)
+        gid = c.want_int(g["id"], f"{path}.id", 0, MAX_SHARDS - 1) if "id" in g else None
+        if gid is not None:
+            if gid in seen:
+                c.add(f"{path}.id", f"duplicate group id {gid} (also {seen[gid]})")
+                gid = None
+            elif shards is not None and gid >= shards:
+                c.add(f"{path}.id", f"group id {gid} is out of range: with shards {shards} ids are 0..{shards - 1}")
+                seen[gid] = f"{path}.id"
+                gid = None
+            else:
+                seen[gid] = f"{path}.id"
+        replicas, replicas_ok = (
+            _replicas(c, g["replicas"], f"{path}.replicas", rf, declared) if "replicas" in g else (None, False)
+        )
+        leader = None
+        if "leader" in g:
+            leader = c.want_id(g["leader"], f"{path}.leader")
+            if leader is not None and declared is not None and leader not in declared:
+                c.add(f"{path}.leader", f"unknown worker {leader!r} (not declared in workers)")
+                leader = None
+            elif leader is not None and replicas is not None and leader not in replicas:
+                c.add(f"{path}.leader", f"{leader!r} is not one of the group's replicas ({', '.join(replicas)})")
+                leader = None
+        if gid is None or replicas is None or not replicas_ok or leader is None:
+            ok = False
+            continue
+        specs.append(GroupSpec(id=gid, leader=leader, replicas=replicas))
+    if shards is not None:
+        missing = [gid for gid in range(shards) if gid not in seen]
+        if missing:
+            shown = ", ".join(str(gid) for gid in missing[:20])
+            more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+            c.add("groups", f"missing group ids {shown}{more}: when `groups:` is given it must list "
+                            f"exactly ids 0..{shards - 1} (or omit it for automatic placement)")
+            ok = False
+    return tuple(sorted(specs, key=lambda s: s.id)) if ok else None
+
+
+def _replicas(
+    c: _Checker, raw: object, path: str, rf: int | None, declared: set[str] | None
+) -> tuple[tuple[str, ...] | None, bool]:
+    """Returns (the well-formed worker ids listed, whether the whole list is valid)."""
+    items = c.want_list(raw, path, "worker ids")
+    if items is None:
+        return None, False
+    ok = True
+    seen: set[str] = set()
+    out: list[str] = []
+    for j, item in enumerate(items):
+        p = f"{path}[{j}]"
+        wid = c.want_id(item, p)
+        if wid is None:
+            ok = False
+        elif wid in seen:
+            c.add(p, f"duplicate replica {wid!r}")
+            ok = False
+        else:
+            if declared is not None and wid not in declared:
+                c.add(p, f"unknown worker {wid!r} (not declared in workers)")
+                ok = False
+            seen.add(wid)
+            out.append(wid)
+    if rf is not None and len(items) != rf:
+        c.add(path, f"has {len(items)} replicas but replication_factor is {rf}")
+        ok = False
+    return tuple(out), ok
