@@ -67,10 +67,14 @@ def test_auto_example_is_pinned() -> None:
     )
 
 
-def test_single_zone_round_robin() -> None:
+def test_single_zone_balances_replicas_and_leaders() -> None:
     groups = place_groups(workers_in(["z"] * 4), 4, 2)
-    assert [g.replicas for g in groups] == [("w1", "w2"), ("w3", "w4"), ("w1", "w2"), ("w3", "w4")]
-    assert [g.leader for g in groups] == ["w1", "w3", "w2", "w4"]
+    assert groups == (
+        GroupSpec(0, "w2", ("w1", "w2")),
+        GroupSpec(1, "w3", ("w3", "w4")),
+        GroupSpec(2, "w4", ("w2", "w4")),
+        GroupSpec(3, "w1", ("w1", "w3")),
+    )
 
 
 def test_rf5_over_three_zones_is_2_2_1() -> None:
