@@ -117,7 +117,7 @@ class _Checker:
 
     def want_int(self, v: object, path: str, lo: int, hi: int) -> int | None:
         # bool is a subclass of int in Python; `shards: yes` must not mean 1.
-        if not isinstance(v, int):
+        if not isinstance(v, int) or isinstance(v, bool):
             self.add(path, f"expected an integer, got {_type_name(v)}")
             return None
         if not lo <= v <= hi:
