@@ -1,0 +1,24 @@
+"""Pluggable shard-group state machines (DESIGN §7); the contract is in base.py."""
+from worker.plugins.base import (
+    ApplyContext,
+    BadOp,
+    NotFound,
+    Plugin,
+    PluginError,
+    PluginSettings,
+    SnapshotError,
+    available_plugins,
+    load_plugin,
+)
+
+__all__ = [
+    "ApplyContext",
+    "BadOp",
+    "NotFound",
+    "Plugin",
+    "PluginError",
+    "PluginSettings",
+    "SnapshotError",
+    "available_plugins",
+    "load_plugin",
+]

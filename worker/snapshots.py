@@ -1,0 +1,180 @@
+"""Snapshot archives of one group replica: write, find, verify, unpack.
+
+A snapshot is the plugin's state at a seq plus the `SnapshotMeta` the
+replication core needs (dedup table, configuration). On disk it is one file,
+so that a learner can download it with HTTP range requests and resume:
+
+    b"SGSNAP1\n" | u32 header length | msgpack {meta, files: [[name, size]...]} | file bytes...
+
+Its xxh3-128 digest is computed once at write time and kept beside it
+(`.xxh3`); a downloader verifies the whole file against it before renaming
+the temp file into place. Files are written to a temp name, fsynced and
+renamed, so a crash leaves either the old snapshot or the new one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import xxhash
+
+from shardgrid.wire import packb, unpackb
+from worker.codec import decode_snapshot_meta, encode_snapshot_meta
+from worker.replica_msgs import SnapshotMeta
+
+MAGIC = b"SGSNAP1\n"
+_HEADER_LEN = struct.Struct("<I")
+_CHUNK = 1 << 20
+
+
+class SnapshotCorrupt(Exception):
+    pass
+
+
+class Snapshottable(Protocol):
+    def snapshot(self, dir: Path) -> None: ...
+
+    def restore(self, dir: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class SnapshotFile:
+    path: Path
+    seq: int
+    term: int
+    size: int
+    digest: str  # xxh3-128 hex of the whole file
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _name(seq: int, term: int) -> str:
+    return f"snap-{seq:020d}-{term:010d}.snap"
+
+
+def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin: Snapshottable) -> SnapshotFile:
+    """Snapshot `plugin` at `meta.seq` into `snap_dir` and drop older snapshots."""
+    snap_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=snap_dir, prefix=".plugin-") as tmp:
+        plugin.snapshot(Path(tmp))
+        names = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
+        files = [[n, (Path(tmp) / n).stat().st_size] for n in names]
+        header = packb({"meta": encode_snapshot_meta(meta), "files": files})
+        final = snap_dir / _name(meta.seq, meta.term)
+        partial = final.with_suffix(".partial")
+        h = xxhash.xxh3_128()
+        with open(partial, "wb") as out:
+            for chunk in (MAGIC, _HEADER_LEN.pack(len(header)), header):
+                out.write(chunk)
+                h.update(chunk)
+            for n in names:
+                with open(Path(tmp) / n, "rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        h.update(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        digest = h.hexdigest()
+        os.replace(partial, final)
+        (snap_dir / (final.name + ".xxh3")).write_text(digest)
+        _fsync_dir(snap_dir)
+    result = SnapshotFile(final, meta.seq, meta.term, final.stat().st_size, digest)
+    for old in list_snapshots(snap_dir):
+        if old.seq < meta.seq:
+            remove_snapshot(old)
+    return result
+
+
+def remove_snapshot(s: SnapshotFile) -> None:
+    s.path.unlink(missing_ok=True)
+    s.path.with_name(s.path.name + ".xxh3").unlink(missing_ok=True)
+
+
+def list_snapshots(snap_dir: Path) -> list[SnapshotFile]:
+    out = []
+    if not snap_dir.is_dir():
+        return out
+    for p in snap_dir.glob("snap-*.snap"):
+        side = p.with_name(p.name + ".xxh3")
+        if not side.exists():
+            continue  # its digest never made it to disk: not a finished snapshot
+        _, seq, term = p.stem.split("-")
+        out.append(SnapshotFile(p, int(seq), int(term), p.stat().st_size, side.read_text().strip()))
+    return sorted(out, key=lambda s: s.seq)
+
+
+def latest_snapshot(snap_dir: Path) -> SnapshotFile | None:
+    snaps = list_snapshots(snap_dir)
+    return snaps[-1] if snaps else None
+
+
+def read_meta(path: Path) -> SnapshotMeta:
+    with open(path, "rb") as f:
+        meta, _ = _read_header(f)
+    return meta
+
+
+def _read_header(f: "os.PathLike[str] | object") -> tuple[SnapshotMeta, list[list[object]]]:
+    magic = f.read(len(MAGIC))  # type: ignore[attr-defined]
+    if magic != MAGIC:
+        raise SnapshotCorrupt("not a shardgrid snapshot (bad magic)")
+    (hlen,) = _HEADER_LEN.unpack(f.read(_HEADER_LEN.size))  # type: ignore[attr-defined]
+    header = unpackb(f.read(hlen))  # type: ignore[attr-defined]
+    return decode_snapshot_meta(header["meta"]), header["files"]
+
+
+def restore_snapshot(path: Path, plugin: Snapshottable, expect_digest: str | None = None) -> SnapshotMeta:
+    """Verify (when a digest is given), unpack and restore `plugin` from `path`."""
+    if expect_digest is not None and file_digest(path) != expect_digest:
+        raise SnapshotCorrupt(f"{path.name}: xxh3-128 mismatch")
+    with open(path, "rb") as f, tempfile.TemporaryDirectory(dir=path.parent, prefix=".restore-") as tmp:
+        meta, files = _read_header(f)
+        for name, size in files:
+            name, size = str(name), int(size)  # type: ignore[call-overload]
+            if "/" in name or name.startswith("."):
+                raise SnapshotCorrupt(f"bad file name {name!r} in snapshot")
+            with open(Path(tmp) / name, "wb") as out:
+                remaining = size
+                while remaining:
+                    chunk = f.read(min(_CHUNK, remaining))
+                    if not chunk:
+                        raise SnapshotCorrupt(f"{path.name} is truncated")
+                    out.write(chunk)
+                    remaining -= len(chunk)
+        plugin.restore(Path(tmp))
+    return meta
+
+
+def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, digest: str) -> SnapshotFile:
+    """Move a verified download into place as this replica's latest snapshot."""
+    final = snap_dir / _name(seq, term)
+    os.replace(partial, final)
+    (snap_dir / (final.name + ".xxh3")).write_text(digest)
+    _fsync_dir(snap_dir)
+    for old in list_snapshots(snap_dir):
+        if old.seq < seq:
+            remove_snapshot(old)
+    return SnapshotFile(final, seq, term, final.stat().st_size, digest)
+
+
+def wipe(snap_dir: Path) -> None:
+    shutil.rmtree(snap_dir, ignore_errors=True)
