@@ -97,7 +97,8 @@ class MetaClient:
                             timeout=aiohttp.ClientTimeout(total=min(attempt_timeout_s, remaining))) as resp:
                         raw = await resp.read()
                         body = _parse(raw, resp.content_type)
-                        if resp.status < 500:
+                        # 501 is a definite answer; other 5xx may pass on another node.
+                        if resp.status < 500 or resp.status == 501:
                             self._preferred = idx
                             return resp.status, body, dict(resp.headers)
                         err = body.get("error", {}) if isinstance(body, dict) else {}

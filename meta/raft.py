@@ -71,6 +71,9 @@ class MetaRaft:
         self._consumer = _Replicated(self._notify)
         conf = SyncObjConf(
             password=password,
+            # PySyncObj binds 0.0.0.0 unless told otherwise: keep the raft
+            # port on the address the operator chose.
+            bindAddress=me.raft,
             journalFile=str(data_dir / "raft.journal"),
             fullDumpFile=str(data_dir / "raft.dump"),
             leaderFallbackTimeout=2.0,
