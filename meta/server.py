@@ -78,6 +78,8 @@ class MetaServer:
         r.add_put("/v1/topology", self.put_topology)
         r.add_post("/v1/groups/{gid}/transfer", self.not_yet)
         r.add_post("/v1/groups/{gid}/replicas", self.not_yet)
+        r.add_post("/v1/groups/{gid}/ready", self.group_ready)
+        r.add_post("/v1/groups/{gid}/leader", self.group_leader)
         r.add_post("/v1/workers/register", self.register_worker)
         r.add_post("/v1/workers/{wid}/heartbeat", self.heartbeat)
         app.on_startup.append(self._start_controller)
@@ -220,6 +222,35 @@ class MetaServer:
     async def not_yet(self, request: web.Request) -> web.Response:
         raise ApiError("not_implemented", "leader transfer and replica moves need workers; "
                        "they arrive with the worker and operator-verb milestones")
+
+    @staticmethod
+    def _gid(request: web.Request) -> int:
+        try:
+            return int(request.match_info["gid"])
+        except ValueError:
+            raise ApiError("bad_request", "group id must be an integer") from None
+
+    async def group_ready(self, request: web.Request) -> web.Response:
+        """A leader finished its start-of-term protocol (CAS on term and leader)."""
+        body = await _json_body(request)
+        term, leader = body.get("term"), body.get("leader")
+        if not isinstance(term, int) or isinstance(term, bool) or not isinstance(leader, str):
+            raise ApiError("bad_request", "ready needs {\"term\": int, \"leader\": str}")
+        result = await self._submit({"op": "set_ready", "group": self._gid(request), "term": term, "leader": leader})
+        self._raise_failed(result)
+        return json_response(result)
+
+    async def group_leader(self, request: web.Request) -> web.Response:
+        """Compare-and-set a group's leader: term becomes expect_term + 1 (the fence)."""
+        body = await _json_body(request)
+        leader, expect = body.get("leader"), body.get("expect_term")
+        if not isinstance(expect, int) or isinstance(expect, bool) or not isinstance(leader, str):
+            raise ApiError("bad_request", "leader needs {\"leader\": str, \"expect_term\": int}")
+        gid = self._gid(request)
+        result = await self._submit({"op": "set_leader", "group": gid, "leader": leader, "expect_term": expect})
+        self._raise_failed(result)
+        self.log.info("leader_set", group=gid, leader=leader, term=result["term"])
+        return json_response(result)
 
     async def register_worker(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -32,6 +32,15 @@ def _cmd_meta(args: argparse.Namespace) -> int:
     return meta_main(cfg)
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from worker.process import WorkerConfig, main as worker_main
+
+    cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
+                       meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
+                       zone=args.zone)
+    return worker_main(cfg)
+
+
 def _cmd_dev(args: argparse.Namespace) -> int:
     from shardgrid.devcluster import DevOptions, run_dev
 
@@ -51,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--secret-file", default=None, help="cluster secret (else env SHARDGRID_SECRET)")
     m.add_argument("--admin-token-file", default=None, help="admin token (else env SHARDGRID_ADMIN_TOKEN)")
     m.set_defaults(func=_cmd_meta)
+
+    w = sub.add_parser("worker", help="run one worker (hosts shard-group replicas)")
+    w.add_argument("--id", required=True)
+    w.add_argument("--http", required=True, help="host:port to listen on")
+    w.add_argument("--advertise", default=None, help="host:port peers dial (default: --http)")
+    w.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
+    w.add_argument("--data", required=True, help="directory for group WALs and snapshots")
+    w.add_argument("--zone", default=None, help="failure domain (default: the topology's)")
+    w.set_defaults(func=_cmd_worker)
 
     from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
 

@@ -1,7 +1,8 @@
 """`shardgrid dev`: a whole local cluster as child processes on loopback.
 
 Reads the topology file for the addresses, starts every meta node, waits
-until they have elected a leader, applies the topology, prints where things
+until they have elected a leader, applies the topology, starts the workers it
+declares, waits until every group has a ready leader, prints where things
 are, and on Ctrl-C / SIGTERM stops every child (TERM, then KILL) before
 exiting. Logs of each child go to DATA/logs/NAME.log.
 """
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.procs import Child, stop_all
@@ -58,6 +60,29 @@ def meta_children(topo: Topology, data: Path, secret: Path) -> list[Child]:
                 "--secret-file", str(secret)]
         children.append(Child(node.id, argv, data / "logs" / f"{node.id}.log"))
     return children
+
+
+def worker_children(topo: Topology, data: Path) -> list[Child]:
+    meta = ",".join(m.http for m in topo.meta)
+    return [Child(w.id, [sys.executable, "-m", "shardgrid.cli", "worker", "--id", w.id, "--http", w.http,
+                         "--meta", meta, "--data", str(data / "workers" / w.id), "--zone", w.zone],
+                  data / "logs" / f"{w.id}.log")
+            for w in topo.workers]
+
+
+async def wait_groups_ready(addrs: list[str], deadline_s: float) -> dict[str, Any]:
+    """Until every group has a leader that finished its start-of-term protocol."""
+    deadline = time.monotonic() + deadline_s
+    async with MetaClient(addrs) as client:
+        while True:
+            view = await client.cluster()
+            groups = view["groups"]
+            if groups and all(g["ready"] for g in groups.values()):
+                return view
+            if time.monotonic() > deadline:
+                waiting = sorted(k for k, g in groups.items() if not g["ready"])
+                raise TimeoutError(f"groups {', '.join(waiting)} have no ready leader after {deadline_s:.0f} s")
+            await asyncio.sleep(0.1)
 
 
 async def wait_meta_ready(addrs: list[str], deadline_s: float) -> dict[str, object]:
@@ -110,9 +135,19 @@ def run_dev(opts: DevOptions) -> int:
         _say(f"meta leader: {health['leader']}")
         result = asyncio.run(apply_topology(meta_addrs, topo_text))
         _say(f"topology {opts.topology} applied (topology revision {result['topology_revision']})")
+        workers = worker_children(topo, opts.data)
+        children.extend(workers)
+        for child in workers:
+            child.start()
+            _say(f"started {child.name} (pid {child.pid}), log {child.log_path}")
+        _say("waiting for every group to have a ready leader ...")
+        view = asyncio.run(wait_groups_ready(meta_addrs, 60.0))
+        for gid, g in sorted(view["groups"].items(), key=lambda kv: int(kv[0])):
+            _say(f"  group {gid}: leader {g['leader']} term {g['term']}")
         _say("")
         _say(f"cluster '{topo.cluster}' is up. data: {opts.data}")
         _say(f"  meta:     {', '.join('http://' + a for a in meta_addrs)}")
+        _say(f"  workers:  {', '.join('http://' + w.http for w in topo.workers)}")
         _say(f"  try:      topoctl --meta {','.join(meta_addrs)} status")
         _say(f"            curl -s http://{meta_addrs[0]}/v1/cluster")
         _say(f"            curl -s http://{meta_addrs[0]}/v1/topology")

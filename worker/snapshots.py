@@ -14,12 +14,11 @@ renamed, so a crash leaves either the old snapshot or the new one.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import xxhash
 
@@ -36,9 +35,7 @@ class SnapshotCorrupt(Exception):
     pass
 
 
-class Snapshottable(Protocol):
-    def snapshot(self, dir: Path) -> None: ...
-
+class Restorable(Protocol):
     def restore(self, dir: Path) -> None: ...
 
 
@@ -71,37 +68,49 @@ def _name(seq: int, term: int) -> str:
     return f"snap-{seq:020d}-{term:010d}.snap"
 
 
-def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin: Snapshottable) -> SnapshotFile:
-    """Snapshot `plugin` at `meta.seq` into `snap_dir` and drop older snapshots."""
+def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path) -> SnapshotFile:
+    """Pack the plugin's snapshot files (a directory) and `meta` into one archive.
+
+    Older snapshots stay until `prune_snapshots`: the WAL's snapshot point
+    moves only after this file is durable, and a crash in between must still
+    find the snapshot the WAL points at.
+    """
     snap_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=snap_dir, prefix=".plugin-") as tmp:
-        plugin.snapshot(Path(tmp))
-        names = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
-        files = [[n, (Path(tmp) / n).stat().st_size] for n in names]
-        header = packb({"meta": encode_snapshot_meta(meta), "files": files})
-        final = snap_dir / _name(meta.seq, meta.term)
-        partial = final.with_suffix(".partial")
-        h = xxhash.xxh3_128()
-        with open(partial, "wb") as out:
-            for chunk in (MAGIC, _HEADER_LEN.pack(len(header)), header):
-                out.write(chunk)
-                h.update(chunk)
-            for n in names:
-                with open(Path(tmp) / n, "rb") as src:
-                    while chunk := src.read(_CHUNK):
-                        out.write(chunk)
-                        h.update(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        digest = h.hexdigest()
-        os.replace(partial, final)
-        (snap_dir / (final.name + ".xxh3")).write_text(digest)
-        _fsync_dir(snap_dir)
-    result = SnapshotFile(final, meta.seq, meta.term, final.stat().st_size, digest)
+    names = sorted(p.name for p in plugin_files.iterdir() if p.is_file())
+    files = [[n, (plugin_files / n).stat().st_size] for n in names]
+    header = packb({"meta": encode_snapshot_meta(meta), "files": files})
+    final = snap_dir / _name(meta.seq, meta.term)
+    partial = final.with_suffix(".partial")
+    h = xxhash.xxh3_128()
+    with open(partial, "wb") as out:
+        for chunk in (MAGIC, _HEADER_LEN.pack(len(header)), header):
+            out.write(chunk)
+            h.update(chunk)
+        for n in names:
+            with open(plugin_files / n, "rb") as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    h.update(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    digest = h.hexdigest()
+    os.replace(partial, final)
+    (snap_dir / (final.name + ".xxh3")).write_text(digest)
+    _fsync_dir(snap_dir)
+    return SnapshotFile(final, meta.seq, meta.term, final.stat().st_size, digest)
+
+
+def prune_snapshots(snap_dir: Path, keep_seq: int) -> None:
+    """Delete every snapshot older than `keep_seq` (and stray partial files)."""
     for old in list_snapshots(snap_dir):
-        if old.seq < meta.seq:
+        if old.seq < keep_seq:
             remove_snapshot(old)
-    return result
+    for stray in snap_dir.glob("*.partial"):
+        stray.unlink(missing_ok=True)
+
+
+def snapshot_at(snap_dir: Path, seq: int) -> SnapshotFile | None:
+    return next((s for s in list_snapshots(snap_dir) if s.seq == seq), None)
 
 
 def remove_snapshot(s: SnapshotFile) -> None:
@@ -133,16 +142,21 @@ def read_meta(path: Path) -> SnapshotMeta:
     return meta
 
 
-def _read_header(f: "os.PathLike[str] | object") -> tuple[SnapshotMeta, list[list[object]]]:
-    magic = f.read(len(MAGIC))  # type: ignore[attr-defined]
-    if magic != MAGIC:
+def _read_header(f: BinaryIO) -> tuple[SnapshotMeta, list[list[object]]]:
+    if f.read(len(MAGIC)) != MAGIC:
         raise SnapshotCorrupt("not a shardgrid snapshot (bad magic)")
-    (hlen,) = _HEADER_LEN.unpack(f.read(_HEADER_LEN.size))  # type: ignore[attr-defined]
-    header = unpackb(f.read(hlen))  # type: ignore[attr-defined]
-    return decode_snapshot_meta(header["meta"]), header["files"]
+    raw_len = f.read(_HEADER_LEN.size)
+    if len(raw_len) != _HEADER_LEN.size:
+        raise SnapshotCorrupt("truncated snapshot header")
+    (hlen,) = _HEADER_LEN.unpack(raw_len)
+    try:
+        header = unpackb(f.read(hlen))
+        return decode_snapshot_meta(header["meta"]), header["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotCorrupt(f"unreadable snapshot header: {exc}") from None
 
 
-def restore_snapshot(path: Path, plugin: Snapshottable, expect_digest: str | None = None) -> SnapshotMeta:
+def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None = None) -> SnapshotMeta:
     """Verify (when a digest is given), unpack and restore `plugin` from `path`."""
     if expect_digest is not None and file_digest(path) != expect_digest:
         raise SnapshotCorrupt(f"{path.name}: xxh3-128 mismatch")
@@ -170,11 +184,4 @@ def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, diges
     os.replace(partial, final)
     (snap_dir / (final.name + ".xxh3")).write_text(digest)
     _fsync_dir(snap_dir)
-    for old in list_snapshots(snap_dir):
-        if old.seq < seq:
-            remove_snapshot(old)
     return SnapshotFile(final, seq, term, final.stat().st_size, digest)
-
-
-def wipe(snap_dir: Path) -> None:
-    shutil.rmtree(snap_dir, ignore_errors=True)

@@ -1,0 +1,479 @@
+"""The I/O shell around one shard-group replica: WAL, plugin, network, timers.
+
+`GroupShell` owns a `Replica` (the sans-I/O core), its `Wal`, its plugin and
+its snapshot directory. One task runs the group loop: it takes every event
+queued since the last pass (client writes and reads, peer messages, meta
+views, timer ticks), feeds them to the core, then performs the effects:
+
+1. every `Persist` of the pass, in order, followed by ONE fsync (group
+   commit) — in a worker thread, so the event loop keeps accepting the
+   requests that form the next pass;
+2. then everything else in order: sends, applies (the plugin), replies,
+   reads, reports to meta.
+
+That honours the core's durability contract (no effect is performed before
+every earlier Persist is durable): effects are only ever delayed, never
+reordered ahead of a Persist.
+
+Snapshots: after applying entry S with `snapshot_every` entries since the
+last snapshot, the plugin writes its files into a temp dir at exactly S, and
+`Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
+and only then the archive (plugin files + meta) is written and the WAL
+compacted. A follower told to download a snapshot fetches it by HTTP range
+requests (resumable), verifies its xxh3-128, renames it into place, restores
+the plugin and reports `SnapshotInstalled`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from worker import replica_msgs as m
+from worker.codec import decode_entry, encode_entry
+from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError
+from worker.replica import Replica
+from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
+                              prune_snapshots, restore_snapshot, snapshot_at, write_snapshot)
+from worker.transport import Transport
+from worker.wal import Wal
+
+MAX_PASS_EVENTS = 4096
+RESULT_CACHE = 8192
+DOWNLOAD_ATTEMPTS = 8
+DOWNLOAD_CHUNK = 1 << 20
+
+
+def now_ms() -> int:
+    # Wall-clock ms: the leader stamps it into entries for dedup expiry,
+    # which every replica must compare across machines.
+    return time.time_ns() // 1_000_000
+
+
+class GroupHooks(Protocol):
+    """What a group needs from its worker process."""
+
+    def peer_addr(self, worker_id: str) -> str | None: ...
+
+    def report_ready(self, group: int, term: int) -> None: ...
+
+    def transfer_ready(self, group: int, target: str, term: int) -> None: ...
+
+    def refresh_meta(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    fsync: str = "batch"
+    snapshot_every: int = 10_000
+    quorum_timeout_ms: int = 2000
+    segment_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass
+class Outcome:
+    """The answer to one client write or read."""
+
+    ok: bool
+    seq: int = 0
+    term: int = 0
+    error_code: str | None = None
+    leader: str | None = None
+    result: Any = None
+    message: str | None = None
+
+
+@dataclass
+class _Restore:
+    """Internal event: a downloaded snapshot is in place; restore from it."""
+
+    snap: SnapshotFile
+
+
+@dataclass
+class _LatencyStats:
+    ema_ms: float = 0.0
+    samples: list[float] = field(default_factory=list)
+    writes: int = 0
+
+    def observe(self, ms: float) -> None:
+        self.writes += 1
+        self.ema_ms = ms if self.ema_ms == 0 else 0.9 * self.ema_ms + 0.1 * ms
+        self.samples.append(ms)
+        if len(self.samples) > 2048:
+            del self.samples[:1024]
+
+    def p99(self) -> float:
+        if not self.samples:
+            return 0.0
+        s = sorted(self.samples)
+        return s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+class GroupCorrupt(Exception):
+    """This replica's durable state is damaged; it must not serve the group."""
+
+
+class GroupShell:
+    def __init__(self, node_id: str, gid: int, root: Path, plugin: Plugin, settings: GroupSettings,
+                 transport: Transport, hooks: GroupHooks, log: Any) -> None:
+        self.node_id = node_id
+        self.gid = gid
+        self.root = root
+        self.plugin = plugin
+        self.settings = settings
+        self.transport = transport
+        self.hooks = hooks
+        self.log = log.bind(group=gid)
+        self.snap_dir = root / "snapshots"
+        self.wal: Wal | None = None
+        self.replica: Replica | None = None
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending: dict[int, tuple[asyncio.Future[Outcome], float, Any]] = {}
+        self._req_ids = itertools.count(1)
+        self._results: OrderedDict[int, Any] = OrderedDict()
+        self._plugin_snaps: dict[int, Path] = {}
+        self._last_snapshot_seq = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._download: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.failed: str | None = None
+        self.latency = _LatencyStats()
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def open(self) -> None:
+        """Recover from disk and build the core. Raises GroupCorrupt."""
+        from worker.wal import WalCorrupt
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            wal, rec = Wal.recover(self.root / "wal", fsync=self.settings.fsync,  # type: ignore[arg-type]
+                                   segment_bytes=self.settings.segment_bytes)
+        except WalCorrupt as exc:
+            raise GroupCorrupt(f"WAL corrupt: {exc}") from exc
+        hs = rec.hard_state
+        snapshot = None
+        if hs.snap_seq > 0:
+            snap = snapshot_at(self.snap_dir, hs.snap_seq)
+            if snap is None:
+                wal.close()
+                raise GroupCorrupt(f"the WAL starts after seq {hs.snap_seq} but that snapshot is missing")
+            try:
+                snapshot = restore_snapshot(snap.path, self.plugin, expect_digest=snap.digest)
+            except (SnapshotCorrupt, PluginError) as exc:
+                wal.close()
+                raise GroupCorrupt(f"snapshot {snap.path.name} unusable: {exc}") from exc
+        self._last_snapshot_seq = hs.snap_seq
+        if self.snap_dir.exists():
+            prune_snapshots(self.snap_dir, hs.snap_seq)
+        stored = m.StoredState(term=hs.term, entries=[decode_entry(e.payload) for e in rec.entries],
+                               snapshot=snapshot, commit=hs.commit)
+        self.wal = wal
+        self.replica = Replica(self.node_id, self.gid,
+                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms), stored)
+        self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
+                      torn_bytes=rec.recovery.torn_bytes)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"group-{self.gid}")
+
+    async def close(self) -> None:
+        for task in (self._task, self._download):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        if self._timer is not None:
+            self._timer.cancel()
+        for fut, _, _ in self._pending.values():
+            if not fut.done():
+                fut.set_result(Outcome(False, error_code="unavailable", message="worker shutting down"))
+        if self._session is not None:
+            await self._session.close()
+        if self.wal is not None:
+            self.wal.close()
+        for tmp in self._plugin_snaps.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- inputs ------------------------------------------------------------------------
+
+    def deliver(self, event: Any) -> None:
+        self._queue.put_nowait(event)
+
+    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> Outcome:
+        self.plugin.validate(op)  # BadOp never enters the log
+        return await self._request(lambda req: m.ClientWrite(req, op, ack, rid), timeout_s, kind="write")  # type: ignore[arg-type]
+
+    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> Outcome:
+        deadline = now_ms() + int(timeout_s * 1000)
+        return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
+                                   timeout_s, kind=query)
+
+    async def _request(self, make: Any, timeout_s: float, kind: Any) -> Outcome:
+        if self.failed is not None:
+            return Outcome(False, error_code="unavailable", message=f"group {self.gid} failed here: {self.failed}")
+        req = next(self._req_ids)
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._pending[req] = (fut, time.perf_counter(), kind)
+        self.deliver(make(req))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            # The write may still commit: outcome unknown, retry with the same request id.
+            return Outcome(False, error_code="quorum_timeout" if kind == "write" else "deadline_exceeded",
+                           message="no answer within the deadline; outcome unknown",
+                           leader=self.replica.leader if self.replica else None)
+        finally:
+            self._pending.pop(req, None)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self.replica is not None
+        self.deliver(m.Tick())
+        try:
+            while True:
+                batch = [await self._queue.get()]
+                while len(batch) < MAX_PASS_EVENTS and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                now = now_ms()
+                effects: list[m.Effect] = []
+                for ev in batch:
+                    if isinstance(ev, _Restore):
+                        effects.extend(self._restore_downloaded(ev.snap, now))
+                    else:
+                        effects.extend(self.replica.handle(ev, now))
+                await self._perform(effects)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a replica bug or a disk failure: stop this group, loudly
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.log.critical("group_failed", error=self.failed, exc_info=True)
+            for fut, _, _ in self._pending.values():
+                if not fut.done():
+                    fut.set_result(Outcome(False, error_code="unavailable", message="group failed on this worker"))
+
+    async def _perform(self, effects: list[m.Effect]) -> None:
+        persists = [e for e in effects if isinstance(e, m.Persist)]
+        if persists:
+            await asyncio.to_thread(self._persist_all, persists)
+        for eff in effects:
+            if isinstance(eff, m.Persist):
+                continue
+            if isinstance(eff, m.Send):
+                self.transport.send(eff.msg)
+            elif isinstance(eff, m.Apply):
+                self._apply(eff.entries)
+            elif isinstance(eff, m.Reply):
+                self._reply(eff)
+            elif isinstance(eff, m.ServeRead):
+                self._serve_read(eff)
+            elif isinstance(eff, m.SetTimer):
+                self._set_timer(eff.at)
+            elif isinstance(eff, m.ReportReady):
+                self.hooks.report_ready(self.gid, eff.term)
+            elif isinstance(eff, m.TransferReady):
+                self.hooks.transfer_ready(self.gid, eff.target, eff.term)
+            elif isinstance(eff, m.RefreshMeta):
+                self.hooks.refresh_meta()
+            elif isinstance(eff, m.DownloadSnapshot):
+                self._start_download(eff)
+
+    # -- persistence (runs in a worker thread) ------------------------------------------------
+
+    def _persist_all(self, persists: list[m.Persist]) -> None:
+        wal = self.wal
+        assert wal is not None
+        for p in persists:
+            if p.term is not None:
+                wal.set_hard_state(term=p.term)
+            if p.snapshot is not None:
+                self._install_snapshot_point(p.snapshot)
+            if p.truncate_after is not None:
+                wal.truncate_after(p.truncate_after)
+            if p.entries:
+                wal.append([(e.term, e.seq, encode_entry(e)) for e in p.entries])
+            if p.commit is not None:
+                wal.set_hard_state(commit=p.commit)
+        wal.sync()
+
+    def _install_snapshot_point(self, meta: m.SnapshotMeta) -> None:
+        """Make the archive for `meta` durable, then move the WAL's start to it."""
+        wal = self.wal
+        assert wal is not None
+        tmp = self._plugin_snaps.pop(meta.seq, None)
+        if tmp is not None:
+            write_snapshot(self.snap_dir, meta, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif snapshot_at(self.snap_dir, meta.seq) is None:
+            raise RuntimeError(f"core installed snapshot {meta.seq} but no archive exists for it")
+        if meta.seq <= wal.last_seq and wal.term_at(meta.seq) == meta.term:
+            wal.compact_through(meta.seq)
+        else:
+            wal.reset(meta.term, meta.seq)
+        prune_snapshots(self.snap_dir, meta.seq)
+        self._last_snapshot_seq = max(self._last_snapshot_seq, meta.seq)
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def _apply(self, entries: tuple[m.Entry, ...]) -> None:
+        keep_results = bool(self._pending)
+        for e in entries:
+            if e.kind == "op":
+                try:
+                    result: Any = self.plugin.apply(e.data, ApplyContext(e.seq, e.term, e.ts))
+                except BadOp as exc:
+                    result = _ApplyError(exc.code, exc.message)
+                if keep_results:
+                    self._results[e.seq] = result
+                    if len(self._results) > RESULT_CACHE:
+                        self._results.popitem(last=False)
+            if e.seq - self._last_snapshot_seq >= self.settings.snapshot_every and e.seq not in self._plugin_snaps:
+                self._snapshot_plugin(e.seq)
+
+    def _snapshot_plugin(self, seq: int) -> None:
+        # The plugin is exactly at `seq` now: entries after it are applied
+        # later in this same effect stream.
+        self.snap_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self.snap_dir, prefix=f".plugin-{seq}-"))
+        self.plugin.snapshot(tmp)
+        self._plugin_snaps[seq] = tmp
+        self._last_snapshot_seq = seq
+        self.deliver(m.Compact(seq))
+
+    def _reply(self, r: m.Reply) -> None:
+        pending = self._pending.get(r.req)
+        if pending is None:
+            return
+        fut, started, kind = pending
+        if fut.done():
+            return
+        if r.ok:
+            result = self._results.pop(r.seq, None)
+            if isinstance(result, _ApplyError):
+                fut.set_result(Outcome(False, r.seq, r.term, result.code, message=result.message))
+                return
+            if kind == "write":
+                self.latency.observe((time.perf_counter() - started) * 1000)
+            fut.set_result(Outcome(True, r.seq, r.term, result=result))
+        else:
+            fut.set_result(Outcome(False, r.seq, r.term, r.error_code, r.leader))
+
+    def _serve_read(self, s: m.ServeRead) -> None:
+        pending = self._pending.get(s.req)
+        if pending is None or pending[0].done():
+            return
+        fut, _, query = pending
+        assert self.replica is not None
+        try:
+            fut.set_result(Outcome(True, self.replica.applied_seq, self.replica.term, result=self.plugin.query(query)))
+        except NotFound as exc:
+            fut.set_result(Outcome(False, self.replica.applied_seq, self.replica.term, "not_found",
+                                   message=exc.message))
+        except BadOp as exc:
+            fut.set_result(Outcome(False, error_code="bad_request", message=exc.message))
+
+    def _set_timer(self, at: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, (at - now_ms()) / 1000)
+        self._timer = asyncio.get_running_loop().call_later(delay, self.deliver, m.Tick())
+
+    # -- snapshot download ---------------------------------------------------------------------------
+
+    def _start_download(self, d: m.DownloadSnapshot) -> None:
+        if self._download is not None and not self._download.done():
+            return
+        self._download = asyncio.create_task(self._download_snapshot(d))
+
+    async def _download_snapshot(self, d: m.DownloadSnapshot) -> None:
+        addr = self.hooks.peer_addr(d.source)
+        if addr is None:
+            return
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        base = f"http://{addr}/v1/groups/{self.gid}/snapshot"
+        try:
+            async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    self.log.warning("snapshot_manifest_failed", source=d.source, status=resp.status)
+                    return
+                man = await resp.json()
+            seq, term, size, digest = int(man["seq"]), int(man["term"]), int(man["size"]), str(man["digest"])
+            if seq < d.seq:
+                return
+            self.snap_dir.mkdir(parents=True, exist_ok=True)
+            partial = self.snap_dir / f".download-{seq}-{term}.partial"
+            started = time.monotonic()
+            for attempt in range(DOWNLOAD_ATTEMPTS):
+                have = partial.stat().st_size if partial.exists() else 0
+                if have >= size:
+                    break
+                try:
+                    async with self._session.get(f"{base}/{seq}", headers={"Range": f"bytes={have}-"},
+                                                 timeout=aiohttp.ClientTimeout(total=None, sock_read=10)) as resp:
+                        if resp.status not in (200, 206):
+                            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                        mode = "ab" if resp.status == 206 else "wb"
+                        with open(partial, mode) as out:
+                            async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                                out.write(chunk)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    self.log.warning("snapshot_download_interrupted", source=d.source, attempt=attempt,
+                                     have=have, error=type(exc).__name__)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            got = await asyncio.to_thread(file_digest, partial)
+            if got != digest:
+                partial.unlink(missing_ok=True)
+                self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq)
+                return
+            snap = install_downloaded(self.snap_dir, partial, term, seq, digest)
+            self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
+                          seconds=round(time.monotonic() - started, 3))
+            self.deliver(_Restore(snap))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
+            self.log.warning("snapshot_download_failed", source=d.source, error=f"{type(exc).__name__}: {exc}")
+
+    def _restore_downloaded(self, snap: SnapshotFile, now: int) -> list[m.Effect]:
+        assert self.replica is not None
+        if not self.replica.accepts_snapshot(snap.seq):
+            return []
+        meta = restore_snapshot(snap.path, self.plugin)
+        self._last_snapshot_seq = meta.seq
+        return self.replica.handle(m.SnapshotInstalled(meta), now)
+
+    def latest_snapshot(self) -> SnapshotFile | None:
+        return latest_snapshot(self.snap_dir)
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        r = self.replica
+        if r is None:
+            return {"state": "closed"}
+        return {
+            "term": r.term, "role": r.role, "leader": r.leader, "ready": r.ready,
+            "last_term": r.last_term, "last_seq": r.last_seq, "commit": r.commit_seq, "applied": r.applied_seq,
+            "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,
+            "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
+            "in_flight": len(self._pending), "voters": list(r.voters), "learners": list(r.learners),
+            "snapshot_seq": self._last_snapshot_seq, "failed": self.failed,
+        }
+
+
+@dataclass(frozen=True)
+class _ApplyError:
+    code: str
+    message: str

@@ -1,0 +1,222 @@
+"""`shardgrid worker`: hosts the shard-group replicas meta places on it.
+
+It registers with meta, watches `/v1/cluster`, opens (or creates) every group
+whose voters or learners name it, feeds meta's assignment (term, leader,
+members) to each group's core, heartbeats per-group progress to the meta
+leader, and reports to meta what the cores ask for (ready, transfer).
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from meta.client import MetaClient, MetaError, MetaUnreachable
+from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.log import setup_logging
+from worker import replica_msgs as m
+from worker.group import GroupCorrupt, GroupSettings, GroupShell
+from worker.plugins.base import PluginSettings, load_plugin
+from worker.server import WorkerApi
+from worker.transport import Transport
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    id: str
+    listen: str
+    advertise: str
+    meta: list[str]
+    data: Path
+    zone: str | None = None
+
+
+class WorkerNode:
+    def __init__(self, cfg: WorkerConfig, log: Any) -> None:
+        self.cfg = cfg
+        self.id = cfg.id
+        self.log = log
+        self.meta = MetaClient(cfg.meta, deadline_s=5.0)
+        self.metrics = HttpMetrics("worker")
+        self.groups: dict[int, GroupShell] = {}
+        self.corrupt: dict[int, str] = {}
+        self.view: dict[str, Any] | None = None
+        self.registered = False
+        self.default_ack = "quorum"
+        self.transport = Transport(self.peer_addr, log)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._refresh = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- hooks for groups --------------------------------------------------------
+
+    def peer_addr(self, worker_id: str) -> str | None:
+        if self.view is None:
+            return None
+        w = self.view["workers"].get(worker_id)
+        return w["addr"] if w else None
+
+    def leader_of(self, gid: int) -> str | None:
+        if self.view is None:
+            return None
+        g = self.view["groups"].get(str(gid)) or self.view["groups"].get(gid)
+        return g["leader"] if g else None
+
+    def report_ready(self, group: int, term: int) -> None:
+        self._spawn(self._meta_call("POST", f"/v1/groups/{group}/ready", {"term": term, "leader": self.id},
+                                    what="report_ready"))
+
+    def transfer_ready(self, group: int, target: str, term: int) -> None:
+        self._spawn(self._meta_call("POST", f"/v1/groups/{group}/leader", {"leader": target, "expect_term": term},
+                                    what="transfer_handover"))
+
+    def refresh_meta(self) -> None:
+        self._refresh.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _meta_call(self, method: str, path: str, body: dict[str, Any], what: str) -> None:
+        try:
+            result = await self.meta.call(method, path, json=body)
+            self.log.info(what, path=path, result=result)
+        except (MetaError, MetaUnreachable) as exc:
+            self.log.warning(f"{what}_failed", path=path, error=str(exc))
+
+    # -- meta --------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        while not self.registered:
+            try:
+                await self.meta.register(self.id, self.cfg.advertise, self.cfg.zone)
+                self.registered = True
+                self.log.info("registered", advertise=self.cfg.advertise)
+            except (MetaError, MetaUnreachable) as exc:
+                self.log.warning("register_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _watch(self) -> None:
+        await self._register()
+        after = -1
+        while True:
+            try:
+                self._refresh.clear()
+                view = await self.meta.call("GET", "/v1/cluster", params={"wait": str(after), "timeout": "10"},
+                                            deadline_s=20, attempt_timeout_s=15)
+            except (MetaError, MetaUnreachable) as exc:
+                self.log.warning("watch_failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            if view["revision"] > after or self._refresh.is_set():
+                after = view["revision"]
+                self._apply_view(view)
+
+    def _apply_view(self, view: dict[str, Any]) -> None:
+        self.view = view
+        topo = view.get("topology")
+        if topo is None:
+            return
+        settings = topo["settings"]
+        self.default_ack = settings.get("ack", "quorum")
+        for key, g in view["groups"].items():
+            gid = int(key)
+            members = set(g["voters"]) | set(g["learners"])
+            if self.id not in members:
+                continue
+            shell = self.groups.get(gid)
+            if shell is None and gid not in self.corrupt:
+                shell = self._open_group(gid, topo)
+            if shell is not None:
+                shell.deliver(m.MetaView(g["term"], g["leader"], tuple(g["voters"]), tuple(g["learners"])))
+
+    def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
+        s = topo["settings"]
+        plugin = load_plugin(topo["plugin"], PluginSettings(embedding_dim=int(s["embedding_dim"])))
+        shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
+                           GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
+                                         quorum_timeout_ms=int(s["quorum_timeout_ms"])),
+                           self.transport, self, self.log)
+        try:
+            shell.open()
+        except GroupCorrupt as exc:
+            # Do not serve (or vote) with damaged state: an operator replaces this replica.
+            self.corrupt[gid] = str(exc)
+            self.log.error("group_corrupt", group=gid, error=str(exc))
+            return None
+        shell.start()
+        self.groups[gid] = shell
+        return shell
+
+    def group_reports(self) -> dict[int, dict[str, Any]]:
+        reports = {gid: shell.report() for gid, shell in self.groups.items()}
+        for gid, why in self.corrupt.items():
+            reports[gid] = {"state": "corrupt", "error": why}
+        return reports
+
+    async def _heartbeat(self) -> None:
+        while True:
+            lease = 1500
+            if self.view and self.view.get("topology"):
+                lease = int(self.view["topology"]["settings"]["lease_ms"])
+            if self.registered:
+                try:
+                    await self.meta.heartbeat(self.id, {"groups": self.group_reports()}, deadline_s=lease / 2000)
+                except (MetaError, MetaUnreachable) as exc:
+                    self.log.debug("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(max(0.05, lease / 5000))
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start_background(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._heartbeat())]
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        for task in [*self._tasks, *self._background]:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down: nothing left to report to
+                pass
+        for shell in self.groups.values():
+            await shell.close()
+        await self.transport.close()
+        await self.meta.close()
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    log = setup_logging("worker", cfg.id)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    node = WorkerNode(cfg, log)
+    runner = web.AppRunner(WorkerApi(node).app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = _split(cfg.listen)
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    node.start_background()
+    log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data))
+    await stop.wait()
+    log.info("worker_stopping")
+    await runner.shutdown()
+    await node.close()
+    await runner.cleanup()
+    log.info("worker_stopped")
+
+
+def main(cfg: WorkerConfig) -> int:
+    uvloop.run(serve(cfg))
+    return 0

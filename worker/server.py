@@ -1,0 +1,176 @@
+"""The worker's HTTP API: data ops for its groups, replication, snapshots.
+
+Bodies are msgpack when the request says `Content-Type: application/msgpack`
+(gateways and peers) and JSON otherwise (operators, curl); answers use the
+same encoding as the request. Errors use the one error shape of
+`shardgrid.wire` with the group's term and leader as context.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
+    packb, unpackb
+from worker import replica_msgs as m
+from worker.codec import decode_message
+from worker.plugins.base import BadOp
+
+if TYPE_CHECKING:
+    from worker.process import WorkerNode
+
+MSGPACK = "application/msgpack"
+MAX_BODY = 64 << 20
+DEFAULT_TIMEOUT_S = 5.0
+NODE_KEY: web.AppKey["WorkerNode"] = web.AppKey("worker_node", object)  # type: ignore[arg-type]
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return unpackb(raw) if request.content_type == MSGPACK else orjson.loads(raw)
+    except (ValueError, orjson.JSONDecodeError) as exc:
+        raise ApiError("bad_request", f"malformed body: {exc}") from None
+
+
+def _answer(request: web.Request, data: Any, status: int = 200) -> web.Response:
+    if request.content_type == MSGPACK:
+        return web.Response(body=packb(data), status=status, content_type=MSGPACK)
+    return json_response(data, status=status)
+
+
+def _timeout(body: dict[str, Any]) -> float:
+    ms = body.get("deadline_ms", DEFAULT_TIMEOUT_S * 1000)
+    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or ms <= 0:
+        raise ApiError("bad_request", "deadline_ms must be a positive number")
+    return min(float(ms) / 1000, 60.0)
+
+
+class WorkerApi:
+    def __init__(self, node: "WorkerNode") -> None:
+        self.node = node
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware], client_max_size=MAX_BODY)
+        app[NODE_KEY] = self.node
+        app[LOGGER_KEY] = self.node.log
+        r = app.router
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/metrics", self.node.metrics.handle_metrics)
+        r.add_get("/v1/status", self.status)
+        r.add_post("/v1/raft", self.raft)
+        r.add_post("/v1/groups/{gid}/write", self.write)
+        r.add_post("/v1/groups/{gid}/read", self.read)
+        r.add_post("/v1/groups/{gid}/transfer", self.transfer)
+        r.add_get("/v1/groups/{gid}/snapshot", self.snapshot_manifest)
+        r.add_get("/v1/groups/{gid}/snapshot/{seq}", self.snapshot_data)
+        return app
+
+    def _group(self, request: web.Request) -> Any:
+        try:
+            gid = int(request.match_info["gid"])
+        except ValueError:
+            raise ApiError("bad_request", "group id must be an integer") from None
+        shell = self.node.groups.get(gid)
+        if shell is None:
+            raise ApiError("not_leader", f"worker {self.node.id} hosts no replica of group {gid}", shard=gid,
+                           leader=self.node.leader_of(gid))
+        return shell
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return json_response({"ok": True, "id": self.node.id, "groups": sorted(self.node.groups),
+                              "registered": self.node.registered})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return json_response({"id": self.node.id, "groups": self.node.group_reports(),
+                              "corrupt": self.node.corrupt})
+
+    async def raft(self, request: web.Request) -> web.Response:
+        batch = unpackb(await request.read())
+        for raw in batch:
+            msg = decode_message(raw)
+            shell = self.node.groups.get(msg.group)
+            if shell is not None:
+                shell.deliver(msg)
+        return web.Response(status=204)
+
+    async def write(self, request: web.Request) -> web.Response:
+        shell = self._group(request)
+        body = await _body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("op"), dict):
+            raise ApiError("bad_request", "write needs {\"op\": {...}, \"ack\"?, \"rid\"?, \"deadline_ms\"?}")
+        ack = body.get("ack", self.node.default_ack)
+        if ack not in ("leader", "quorum", "all"):
+            raise ApiError("bad_request", "ack must be leader, quorum or all")
+        rid = body.get("rid")
+        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 128):
+            raise ApiError("bad_request", "rid must be a non-empty string of at most 128 characters")
+        try:
+            out = await shell.write(body["op"], ack, rid, _timeout(body))
+        except BadOp as exc:
+            raise ApiError("bad_request", exc.message, shard=shell.gid) from None
+        return self._outcome(request, shell, out)
+
+    async def read(self, request: web.Request) -> web.Response:
+        shell = self._group(request)
+        body = await _body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("query"), dict):
+            raise ApiError("bad_request", "read needs {\"query\": {...}, \"consistency\"?, \"min_seq\"?}")
+        consistency = body.get("consistency", "strong")
+        if consistency not in ("strong", "follower"):
+            raise ApiError("bad_request", "consistency must be strong or follower")
+        min_seq = body.get("min_seq", 0)
+        if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 0:
+            raise ApiError("bad_request", "min_seq must be a non-negative integer")
+        out = await shell.read(body["query"], consistency, min_seq, _timeout(body))
+        return self._outcome(request, shell, out)
+
+    def _outcome(self, request: web.Request, shell: Any, out: Any) -> web.Response:
+        headers = {"x-shard": str(shell.gid), "x-term": str(out.term), "x-seq": str(out.seq),
+                   "x-served-by": self.node.id}
+        if out.ok:
+            resp = _answer(request, {"seq": out.seq, "term": out.term, "result": out.result})
+        else:
+            code = out.error_code or "unavailable"
+            leader = out.leader if out.leader is not None else shell.replica.leader
+            body = error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
+                              term=out.term or shell.replica.term, leader=leader)
+            resp = _answer(request, body, status=STATUS_FOR_CODE.get(code, 503))
+        resp.headers.update(headers)
+        return resp
+
+    async def transfer(self, request: web.Request) -> web.Response:
+        shell = self._group(request)
+        body = await _body(request)
+        target = body.get("to") if isinstance(body, dict) else None
+        if not isinstance(target, str) or not target:
+            raise ApiError("bad_request", "transfer needs {\"to\": WORKER}")
+        shell.deliver(m.TransferLeader(target))
+        return json_response({"accepted": True, "group": shell.gid, "to": target}, status=202)
+
+    async def snapshot_manifest(self, request: web.Request) -> web.Response:
+        shell = self._group(request)
+        snap = shell.latest_snapshot()
+        if snap is None:
+            raise ApiError("not_found", f"group {shell.gid} has no snapshot on {self.node.id}")
+        return json_response({"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest})
+
+    async def snapshot_data(self, request: web.Request) -> web.StreamResponse:
+        shell = self._group(request)
+        snap = shell.latest_snapshot()
+        if snap is None or str(snap.seq) != request.match_info["seq"]:
+            raise ApiError("not_found", "that snapshot is gone; re-read the manifest")
+        # FileResponse serves Range requests, which makes downloads resumable.
+        return web.FileResponse(snap.path, chunk_size=1 << 20)
+
+
+_MESSAGES = {
+    "not_leader": "this replica is not the group's ready leader",
+    "quorum_timeout": "not acknowledged by a quorum in time; outcome unknown: retry with the same request id",
+    "deadline_exceeded": "could not be served within the deadline",
+    "unavailable": "the group is unavailable on this worker",
+}
