@@ -59,7 +59,7 @@ class MetaClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(json_serialize=lambda o: orjson.dumps(o).decode())
+            self._session = aiohttp.ClientSession(json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
         return self._session
 
     def _order(self) -> list[int]:

@@ -154,10 +154,10 @@ class WorkerNode:
         self.groups[gid] = shell
         return shell
 
-    def group_reports(self) -> dict[int, dict[str, Any]]:
-        reports = {gid: shell.report() for gid, shell in self.groups.items()}
+    def group_reports(self) -> dict[str, dict[str, Any]]:
+        reports = {str(gid): shell.report() for gid, shell in self.groups.items()}
         for gid, why in self.corrupt.items():
-            reports[gid] = {"state": "corrupt", "error": why}
+            reports[str(gid)] = {"state": "corrupt", "error": why}
         return reports
 
     async def _heartbeat(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import urllib.error
+import urllib.request
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
             value = cond()
             if value:
                 return value
-        except (OSError, ValueError, KeyError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (OSError, ValueError, KeyError, aiohttp.ClientError, asyncio.TimeoutError, AssertionError) as exc:
             last_exc = exc
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}" +
@@ -51,17 +53,20 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 2.0,
               headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    async def go() -> tuple[int, Any]:
-        async with aiohttp.ClientSession() as s:
-            data = orjson.dumps(body) if body is not None and not isinstance(body, (bytes, str)) else body
-            async with s.request(method, url, data=data, headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                raw = await r.read()
-                try:
-                    return r.status, orjson.loads(raw)
-                except orjson.JSONDecodeError:
-                    return r.status, raw.decode()
-    return asyncio.run(go())
+    """A blocking JSON call (usable from sync code and from inside an event loop alike)."""
+    data = orjson.dumps(body) if body is not None and not isinstance(body, (bytes, str)) else body
+    if isinstance(data, str):
+        data = data.encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return status, raw.decode()
 
 
 @dataclass
@@ -91,13 +96,15 @@ class Cluster:
 
     # -- topology ------------------------------------------------------------------
 
-    def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3") -> str:
+    def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3",
+                      snapshot_every: int = 10000) -> str:
         lines = [f"cluster: {cluster}", f"shards: {shards}", f"replication_factor: {rf}", "plugin: entities",
                  "meta:"]
         lines += [f"  - {{id: {m.id}, raft: '{m.raft}', http: '{m.http}'}}" for m in self.meta]
         lines.append("workers:")
         lines += [f"  - {{id: {w}, http: '{h}', zone: {z}}}" for w, h, z in self.workers]
-        lines.append(f"settings: {{ack: quorum, quorum_timeout_ms: 2000, lease_ms: {lease_ms}, fsync: batch}}")
+        lines.append(f"settings: {{ack: quorum, quorum_timeout_ms: 2000, lease_ms: {lease_ms}, fsync: batch, "
+                     f"snapshot_every: {snapshot_every}}}")
         return "\n".join(lines) + "\n"
 
     def write_topology(self, text: str, name: str = "topology.yaml") -> Path:
@@ -144,6 +151,49 @@ class Cluster:
 
     def wait_leader(self, among: list[str] | None = None, timeout: float = 15.0) -> str:
         return str(wait_until(lambda: self.leader(among), timeout, "a meta leader everyone agrees on"))
+
+    # -- workers ---------------------------------------------------------------------
+
+    def _worker_child(self, wid: str) -> Child:
+        _, http, zone = next(w for w in self.workers if w[0] == wid)
+        argv = [sys.executable, "-m", "shardgrid.cli", "worker", "--id", wid, "--http", http,
+                "--meta", self.meta_addrs, "--data", str(self.root / "workers" / wid), "--zone", zone]
+        return Child(wid, argv, self.root / "logs" / f"{wid}.log")
+
+    def start_workers(self, ids: list[str] | None = None) -> None:
+        for wid, _, _ in self.workers:
+            if ids is None or wid in ids:
+                child = self._worker_child(wid)
+                child.start()
+                self.children[wid] = child
+
+    def worker_addr(self, wid: str) -> str:
+        return next(h for w, h, _ in self.workers if w == wid)
+
+    def view(self) -> dict[str, Any]:
+        for m in self.meta:
+            if m.id in self.children and self.children[m.id].alive():
+                try:
+                    code, body = http_json("GET", f"http://{m.http}/v1/cluster", timeout=2.0)
+                except OSError:
+                    continue
+                if code == 200:
+                    return body  # type: ignore[no-any-return]
+        raise AssertionError("no meta node answered /v1/cluster")
+
+    def wait_groups_ready(self, timeout: float = 20.0, exclude_leader: str | None = None) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            v = self.view()
+            gs = v["groups"]
+            if gs and all(g["ready"] and g["leader"] != exclude_leader for g in gs.values()):
+                return v
+            return None
+        return wait_until(ready, timeout, "every group to have a ready leader", interval=0.1)  # type: ignore[no-any-return]
+
+    def worker_status(self, wid: str) -> dict[str, Any]:
+        code, body = http_json("GET", f"http://{self.worker_addr(wid)}/v1/status", timeout=2.0)
+        assert code == 200, body
+        return body  # type: ignore[no-any-return]
 
     def kill(self, name: str) -> None:
         self.children[name].kill()

@@ -1,0 +1,940 @@
+"""Deterministic simulation of one shard group around worker/replica.py.
+
+`run_seed(seed)` drives 3-5 replicas, a model of meta and clients with one
+`random.Random(seed)`, and checks DESIGN.md §5's invariants after every
+handle() call; it raises `SimViolation` at the first breach.
+
+What is modelled
+----------------
+* network: per-message random delay (so reordering), loss, duplication,
+  partitions that come and go (checked when a message is sent);
+* disk, per replica: `durable` state plus the Persists performed but not yet
+  fsynced.  The shell contract is followed literally: pending Persists are
+  fsynced before the next non-Persist effect of the list is performed.  A
+  crash can hit between any two effects: a process crash (SIGKILL) keeps
+  what was written, a power loss drops it.  Restart builds a new Replica
+  from the durable state;
+* meta: (term, leader, voters, learners, conf_ver); compare-and-sets a new
+  term naming ANY voter (even a lagging or just-restarted one), delivers
+  views late, lost, duplicated and occasionally stale; handles TransferReady
+  and records config entries as they are applied;
+* clients: writes with unique values and rids (ack quorum / all / leader),
+  retried with the same rid elsewhere after not_leader / quorum_timeout /
+  silence; strong and follower reads; transfers; membership changes;
+  compactions and snapshot downloads (an instant copy of the source's
+  durable snapshot).
+
+Invariants (checked incrementally)
+----------------------------------
+* at most one replica acts as leader (ready or not) per term;
+* a replica's term never decreases, including across restarts: the durable
+  term is >= every term the previous incarnation sent a message with;
+* log matching: per replica, a rolling hash of its log prefix; an entry with
+  the same (term, seq) on two replicas must have the same prefix hash;
+* the committed log `C` is what replicas have applied (Apply effects that
+  were performed); a replica never applies anything that disagrees with it
+  (state machine safety), applies in order, and never truncates an entry of
+  it; a replica that reports ready holds all of it (leader completeness);
+* every write acknowledged with ack=quorum|all is in C at the seq it was
+  acknowledged with, and at the end exactly once; no rid is in C twice;
+* a strong read is served at a state that includes every quorum write
+  acknowledged before the read was issued; a follower read honours min_seq.
+At the end everything heals and the group must converge within a bound.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.replica import Replica
+from worker.replica_msgs import (
+    Apply,
+    ChangeMembership,
+    ClientRead,
+    ClientWrite,
+    Compact,
+    Config,
+    DownloadSnapshot,
+    Entry,
+    Message,
+    MetaView,
+    Persist,
+    RefreshMeta,
+    ReplicaConfig,
+    Reply,
+    ReportReady,
+    Send,
+    ServeRead,
+    SetTimer,
+    SnapshotInstalled,
+    SnapshotMeta,
+    StoredState,
+    Tick,
+    TransferLeader,
+    TransferReady,
+)
+
+GROUP = 0
+
+
+class SimViolation(AssertionError):
+    pass
+
+
+def entry_hash(prev: int, e: Entry) -> int:
+    return hash((prev, e.term, e.seq, e.kind, e.data, e.rid))
+
+
+@dataclass(slots=True)
+class Disk:
+    term: int = 0
+    entries: list[Entry] = field(default_factory=list)
+    snapshot: SnapshotMeta | None = None
+    commit: int = 0
+
+    def apply(self, p: Persist) -> None:
+        if p.term is not None:
+            if p.term < self.term:
+                raise SimViolation(f"durable term decreases {self.term} -> {p.term}")
+            self.term = p.term
+        if p.snapshot is not None:
+            s = p.snapshot.seq
+            self.snapshot = p.snapshot
+            self.entries = [e for e in self.entries if e.seq > s]
+        if p.truncate_after is not None:
+            t = p.truncate_after
+            base = self.snapshot.seq + 1 if self.snapshot else 1
+            del self.entries[max(t + 1 - base, 0) :]
+        if p.entries:
+            self.entries.extend(p.entries)
+        if p.commit is not None:
+            self.commit = p.commit
+
+    def stored(self) -> StoredState:
+        return StoredState(self.term, list(self.entries), self.snapshot, self.commit)
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    disk: Disk = field(default_factory=Disk)
+    replica: Replica | None = None
+    inc: int = 0  # incarnation: stale timers and downloads are ignored
+    pending: list[Persist] = field(default_factory=list)
+    h: list[int] = field(default_factory=lambda: [0])  # prefix hash per seq
+    applied: int = 0
+    term_seen: int = 0  # in-memory term of this incarnation
+    sent_term: int = 0  # highest term this node ever put on the wire
+    timer_at: int = -1
+    down_until: int = 0
+
+
+@dataclass(slots=True)
+class WriteOp:
+    id: int
+    rid: str
+    value: int
+    ack: str
+    attempts: int = 0
+    done: bool = False
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class ReadOp:
+    id: int
+    consistency: str
+    min_seq: int  # what it must observe
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Params:
+    nodes: int
+    voters: int
+    chaos_ms: int
+    step_ms: tuple[int, int]
+    delay: tuple[int, int]
+    tail: float  # share of messages that are very late (GC pause, retransmit)
+    loss: float
+    dup: float
+    mid_crash: float
+    power_share: float
+    meta_rate: float  # chance per driver step that meta names a new leader
+    nemesis: float  # scales the targeted strikes at leaders (see Sim.perform)
+    patience_ms: int  # how long meta waits for a ready leader before failing over
+    cfg: ReplicaConfig
+
+
+PROFILES = ("mixed", "failover")
+
+
+def draw_params(rng: random.Random, profile: str | None = None) -> Params:
+    """Everything about a run that is not the schedule itself.
+
+    "mixed" varies every knob.  "failover" is a storm of leader changes on a
+    small group with tiny batches, where new leaders are often lost right
+    after being named: the shape Raft's Figure 8 needs (an old-term tail
+    replicated separately from the term-start entry, higher-term leftovers
+    on a minority)."""
+    if profile is None:
+        profile = "failover" if rng.random() < 0.3 else "mixed"
+    if profile == "failover":
+        n = 3
+        return Params(
+            nodes=n,
+            voters=n,
+            chaos_ms=rng.randint(1500, 2500),
+            step_ms=(4, 16),
+            delay=(1, rng.choice((5, 15))),
+            tail=rng.choice((0.0, 0.1)),
+            loss=rng.choice((0.02, 0.05)),
+            dup=0.0,
+            mid_crash=0.01,
+            power_share=0.5,
+            meta_rate=rng.choice((0.03, 0.06)),
+            nemesis=rng.choice((0.3, 0.6)),
+            patience_ms=rng.choice((100, 200)),
+            cfg=ReplicaConfig(
+                heartbeat_ms=50,
+                retry_ms=rng.choice((100, 200)),
+                quorum_timeout_ms=600,
+                max_batch_entries=rng.choice((1, 2)),
+                transfer_timeout_ms=500,
+                snapshot_retry_ms=400,
+            ),
+        )
+    nodes = rng.choice((3, 3, 4, 5))
+    voters = 3 if nodes > 3 and rng.random() < 0.7 else nodes
+    heat = rng.choice((0.5, 1.0, 1.0, 2.0, 4.0))
+    return Params(
+        nodes=nodes,
+        voters=voters,
+        chaos_ms=rng.randint(1500, 3000),
+        step_ms=(4, 16),
+        delay=(1, rng.choice((5, 15, 30))),
+        tail=rng.choice((0.0, 0.05)),
+        loss=min(rng.choice((0.0, 0.02, 0.05)) * heat, 0.25),
+        dup=rng.choice((0.0, 0.02)),
+        mid_crash=0.004 * heat,
+        power_share=0.5,
+        meta_rate=rng.choice((0.02, 0.05, 0.1)) * min(heat, 2.0),
+        nemesis=rng.choice((0.0, 0.3)),
+        patience_ms=600,
+        cfg=ReplicaConfig(
+            heartbeat_ms=rng.choice((50, 100)),
+            retry_ms=rng.choice((100, 200)),
+            quorum_timeout_ms=600,
+            max_batch_entries=rng.choice((1, 2, 3, 8, 64)),
+            transfer_timeout_ms=500,
+            snapshot_retry_ms=400,
+            promote_max_lag=rng.choice((2, 64)),
+        ),
+    )
+
+
+class Sim:
+    def __init__(
+        self, seed: int, replica_cls: type[Replica] = Replica, verbose: bool = False, profile: str | None = None
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.p = draw_params(self.rng, profile)
+        self.replica_cls = replica_cls
+        self.verbose = verbose
+        self.now = 0
+        self.queue: list[tuple[int, int, Callable[[Any], None], Any]] = []
+        self.counter = 0
+        self.steps = 0
+        self.names = [f"n{i}" for i in range(self.p.nodes)]
+        self.nodes = {n: Node(n) for n in self.names}
+        self.cut: set[tuple[str, str]] = set()
+        self.converging = False
+        # meta
+        self.m_term = 0
+        self.m_leader: str | None = None
+        self.m_voters: tuple[str, ...] = tuple(self.names[: self.p.voters])
+        self.m_learners: tuple[str, ...] = ()
+        self.m_conf_ver = 0
+        self.m_changed_at = 0
+        self.m_views: list[MetaView] = []
+        # checker state
+        self.C: list[int] = [0]  # committed prefix hashes, C[seq]
+        self.C_rid: list[str | None] = [None]
+        self.C_term: list[int] = [0]
+        self.rid_seq: dict[str, int] = {}
+        self.known: dict[tuple[int, int], int] = {}
+        self.leader_of: dict[int, str] = {}
+        self.max_acked = 0
+        # clients
+        self.writes: dict[int, WriteOp] = {}
+        self.reads: dict[int, ReadOp] = {}
+        self.next_id = 0
+        self.acked: dict[str, int] = {}
+        self.stats: Counter[str] = Counter()  # what a run exercised
+
+    # ------------------------------------------------------------------
+    # plumbing
+
+    def at(self, t: int, fn: Callable[[Any], None], arg: Any = None) -> None:
+        self.counter += 1
+        heapq.heappush(self.queue, (max(t, self.now), self.counter, fn, arg))
+
+    def log(self, text: str) -> None:
+        if self.verbose:
+            print(f"{self.now:6d} {text}")
+
+    def fail(self, text: str) -> None:
+        raise SimViolation(f"seed {self.seed} t={self.now}: {text}")
+
+    def run(self) -> None:
+        for n in self.names:
+            self.start(self.nodes[n])
+        self.meta_cas(self.m_voters[0])
+        self.at(1, self.drive)
+        self.at(50, self.meta_watch)
+        self.at(self.p.chaos_ms, self.begin_convergence)
+        limit = self.p.chaos_ms + 15_000
+        while self.queue:
+            t, _, fn, arg = heapq.heappop(self.queue)
+            self.now = t
+            if t > limit:
+                self.fail(f"did not converge by {limit} ms: {self.status()}")
+            fn(arg)
+            if self.converged:
+                break
+        else:
+            self.fail("event queue ran dry")
+        self.final_checks()
+
+    def status(self) -> str:
+        parts = [f"meta term={self.m_term} leader={self.m_leader} voters={self.m_voters} learners={self.m_learners}"]
+        for n in self.names:
+            r = self.nodes[n].replica
+            if r is None:
+                parts.append(f"{n}:down")
+            else:
+                parts.append(
+                    f"{n}:{r.role} t{r.term} last=({r.last_term},{r.last_seq}) c{r.commit_seq} a{r.applied_seq} "
+                    f"cfg={r.voters}/{r.learners}"
+                )
+        return " | ".join(parts)
+
+    # ------------------------------------------------------------------
+    # replicas and the shell contract
+
+    def start(self, node: Node) -> None:
+        d = node.disk
+        if d.term < node.sent_term:
+            self.fail(f"{node.name} restarted at term {d.term} after sending at {node.sent_term}")
+        node.replica = self.replica_cls(node.name, GROUP, self.p.cfg, d.stored())
+        node.inc += 1
+        node.pending = []
+        node.term_seen = d.term
+        node.timer_at = -1
+        self.rebuild_shadow(node)
+        node.applied = d.snapshot.seq if d.snapshot else 0
+        self.log(f"START {node.name} term={d.term} snap={node.applied} last={len(node.h) - 1}")
+        self.deliver(node, Tick())
+        self.send_view(node, self.rng.randint(1, 20))
+
+    def deliver(self, node: Node, ev: Any) -> None:
+        r = node.replica
+        if r is None:
+            return
+        self.steps += 1
+        if self.verbose:
+            self.log(f"-> {node.name} {ev}")
+        try:
+            out = r.handle(ev, self.now)
+        except AssertionError as exc:
+            self.fail(f"{node.name} raised on {ev}: {exc}")
+        crash_at = None
+        if not self.converging and out and self.rng.random() < self.p.mid_crash:
+            crash_at = self.rng.randint(0, len(out))
+        self.perform(node, r, out, crash_at)
+        if node.replica is r:
+            self.check_replica(node, r)
+
+    def perform(self, node: Node, r: Replica, out: list[Any], crash_at: int | None) -> None:
+        for i, eff in enumerate(out):
+            if i == crash_at:
+                self.stats["crash_mid_list"] += 1
+                self.crash(node)
+                return
+            t = type(eff)
+            self.stats[t.__name__] += 1
+            if t is Persist:
+                self.shadow_persist(node, eff)
+                node.pending.append(eff)
+                if r._lead is not None and eff.entries and self.strike_after_append(r, eff):
+                    self.isolate(node.name)
+                continue
+            if node.pending:
+                self.fsync(node)
+            if self.verbose:
+                self.log(f"   {node.name} {eff}")
+            if t is Send:
+                self.net_send(node, eff.msg)
+            elif t is Apply:
+                self.on_apply(node, eff.entries)
+                if r._lead is not None and self.nemesis_roll(0.2):
+                    # ... or dies right after committing something.
+                    self.isolate(node.name)
+            elif t is Reply:
+                self.on_reply(node, eff)
+            elif t is ServeRead:
+                self.on_serve(node, r, eff)
+            elif t is SetTimer:
+                node.timer_at = eff.at
+                self.at(eff.at, self.fire_timer, (node, node.inc, eff.at))
+            elif t is ReportReady:
+                self.on_ready(node, r, eff.term)
+            elif t is TransferReady:
+                if eff.term == self.m_term:
+                    self.at(self.now + self.rng.randint(1, 20), self.meta_transfer, (eff.term, eff.target))
+            elif t is RefreshMeta:
+                self.send_view(node, self.rng.randint(1, 20))
+            elif t is DownloadSnapshot:
+                self.at(self.now + self.rng.randint(2, 40), self.snapshot_done, (node, node.inc, eff.source))
+            else:
+                self.fail(f"unknown effect {eff}")
+        if crash_at == len(out):
+            self.stats["crash_before_fsync"] += 1
+            self.crash(node)
+            return
+        if node.pending:
+            self.fsync(node)
+
+    def fsync(self, node: Node) -> None:
+        for p in node.pending:
+            node.disk.apply(p)
+        node.pending = []
+
+    def fire_timer(self, arg: tuple[Node, int, int]) -> None:
+        node, inc, at = arg
+        if node.inc == inc and node.timer_at == at:
+            self.deliver(node, Tick())
+
+    def crash(self, node: Node, power: bool | None = None) -> None:
+        if node.replica is None:
+            return
+        if power is None:
+            power = self.rng.random() < self.p.power_share
+        if not power:
+            self.fsync(node)  # written to the page cache: survives SIGKILL
+        node.pending = []
+        node.replica = None
+        node.inc += 1
+        self.rebuild_shadow(node)
+        self.log(f"CRASH {node.name} ({'power' if power else 'kill'})")
+        self.stats["crash_power" if power else "crash_kill"] += 1
+        delay = self.rng.randint(20, 400)
+        node.down_until = self.now + delay
+        self.at(self.now + delay, self.restart, node)
+
+    def rebuild_shadow(self, node: Node) -> None:
+        """The shadow log of a replica that is down is its durable log."""
+        d = node.disk
+        snap = d.snapshot.seq if d.snapshot else 0
+        if snap >= len(self.C):
+            self.fail(f"{node.name} has an uncommitted snapshot at {snap}")
+        h = self.C[: snap + 1]
+        for e in d.entries:
+            h.append(entry_hash(h[-1], e))
+        node.h = h
+
+    def restart(self, node: Node) -> None:
+        if node.replica is None and self.now >= node.down_until:
+            self.start(node)
+
+    # ------------------------------------------------------------------
+    # checks
+
+    def shadow_persist(self, node: Node, p: Persist) -> None:
+        h = node.h
+        if p.snapshot is not None:
+            s = p.snapshot.seq
+            if s >= len(self.C) or p.snapshot.term != self.C_term[s]:
+                self.fail(f"{node.name} installs snapshot {s} that is not committed")
+            if not (s < len(h) and h[s] == self.C[s]):
+                if p.truncate_after != s:
+                    self.fail(f"{node.name} keeps a log that contradicts snapshot {s}")
+                h[:] = self.C[: s + 1]
+        if p.truncate_after is not None:
+            t = p.truncate_after
+            if t + 1 < len(h):
+                if t + 1 < len(self.C) and h[t + 1] == self.C[t + 1]:
+                    self.fail(f"{node.name} truncates committed seq {t + 1}")
+                del h[t + 1 :]
+        known = self.known
+        for e in p.entries:
+            if e.seq != len(h):
+                self.fail(f"{node.name} appends seq {e.seq} after {len(h) - 1}")
+            if e.kind == "term_start":
+                r = node.replica
+                if r is not None and r._lead is not None and e.term == r.term:
+                    # Our own term start: the log adopted by the Begin round
+                    # must already hold everything committed (leader
+                    # completeness, checked before the leader is even ready).
+                    top = len(self.C) - 1
+                    if top >= len(h) or h[top] != self.C[top]:
+                        self.fail(f"leader completeness: {node.name} adopted a log without committed seq {top}")
+            x = entry_hash(h[-1], e)
+            k = (e.term, e.seq)
+            was = known.setdefault(k, x)
+            if was != x:
+                self.fail(f"log matching: {node.name} has {k} with a different prefix")
+            h.append(x)
+
+    def check_replica(self, node: Node, r: Replica) -> None:
+        if r.term < node.term_seen:
+            self.fail(f"{node.name} term went back {node.term_seen} -> {r.term}")
+        node.term_seen = r.term
+        if r._lead is not None:
+            who = self.leader_of.setdefault(r.term, node.name)
+            if who != node.name:
+                self.fail(f"two leaders in term {r.term}: {who} and {node.name}")
+        if r.last_seq != len(node.h) - 1:
+            self.fail(f"{node.name} log ends at {r.last_seq} but its Persists say {len(node.h) - 1}")
+        if r.applied_seq != node.applied:
+            # only a snapshot install may move applied without Apply
+            snap = r.snapshot_seq
+            if r.applied_seq != snap or snap < node.applied:
+                self.fail(f"{node.name} applied_seq {r.applied_seq} but Apply effects say {node.applied}")
+            node.applied = snap
+        c = r.commit_seq
+        if c < len(self.C) and c < len(node.h) and node.h[c] != self.C[c]:
+            self.fail(f"{node.name} believes seq {c} committed but it differs from the committed log")
+
+    def on_apply(self, node: Node, entries: tuple[Entry, ...]) -> None:
+        h = node.h
+        C = self.C
+        grew = len(C)
+        for e in entries:
+            s = e.seq
+            if s != node.applied + 1:
+                self.fail(f"{node.name} applies {s} after {node.applied}")
+            if s >= len(h) or entry_hash(h[s - 1], e) != h[s]:
+                self.fail(f"{node.name} applies an entry that is not in its log at {s}")
+            if s < len(C):
+                if C[s] != h[s]:
+                    self.fail(f"state machine safety: {node.name} applies a different entry at {s}")
+            else:
+                C.append(h[s])
+                self.C_term.append(e.term)
+                self.C_rid.append(e.rid)
+                if e.rid is not None:
+                    if e.rid in self.rid_seq:
+                        self.fail(f"rid {e.rid} committed twice: {self.rid_seq[e.rid]} and {s}")
+                    self.rid_seq[e.rid] = s
+                if e.kind == "config":
+                    self.meta_record_config(e)
+            node.applied = s
+        if len(C) > grew:
+            self.check_commit_survives(node.name)
+
+    def position(self, name: str) -> tuple[int, int]:
+        """(last term, last seq) a replica would report in BeginOk now."""
+        node = self.nodes[name]
+        r = node.replica
+        if r is not None:
+            return r.last_term, r.last_seq
+        d = node.disk
+        if d.entries:
+            return d.entries[-1].term, d.entries[-1].seq
+        return (d.snapshot.term, d.snapshot.seq) if d.snapshot else (0, 0)
+
+    def check_commit_survives(self, by: str) -> None:
+        """What "committed" means: whichever majority of voters answers the
+        next Begin round, the log it adopts (greatest last (term, seq))
+        holds everything committed.  Checked when the committed log grows,
+        so an unsafe commit is caught before anybody overwrites it."""
+        top = len(self.C) - 1
+        want = self.C[top]
+        voters = self.m_voters
+        pos = {v: self.position(v) for v in voters}
+        for k in range(len(voters) // 2 + 1, len(voters) + 1):
+            for group in itertools.combinations(voters, k):
+                best = max(group, key=pos.__getitem__)
+                h = self.nodes[best].h
+                if top >= len(h) or h[top] != want:
+                    self.fail(
+                        f"commit of seq {top} (applied by {by}) would not survive a Begin round "
+                        f"answered by {group}: {best} would be adopted at {pos[best]} without it"
+                    )
+
+    def on_ready(self, node: Node, r: Replica, term: int) -> None:
+        top = len(self.C) - 1
+        if top >= len(node.h) or node.h[top] != self.C[top]:
+            self.fail(f"leader completeness: {node.name} ready in term {term} without committed seq {top}")
+        self.log(f"READY {node.name} term {term}")
+
+    def final_checks(self) -> None:
+        for rid, seq in self.acked.items():
+            if self.rid_seq.get(rid) != seq:
+                self.fail(f"acknowledged write {rid}@{seq} is not in the committed log")
+        for w in self.writes.values():
+            if w.done and w.ack != "leader" and w.rid not in self.acked:
+                self.fail(f"write {w.rid} done but not recorded")
+
+    # ------------------------------------------------------------------
+    # network
+
+    def net_send(self, node: Node, m: Message) -> None:
+        if m.term > node.sent_term:
+            node.sent_term = m.term
+        if (m.src, m.dst) in self.cut:
+            return
+        rng = self.rng
+        if not self.converging and rng.random() < self.p.loss:
+            return
+        lo, hi = self.p.delay
+        delay = rng.randint(lo, hi)
+        if rng.random() < self.p.tail:
+            delay += rng.randint(30, 150)
+        self.at(self.now + delay, self.net_arrive, m)
+        if not self.converging and rng.random() < self.p.dup:
+            self.at(self.now + rng.randint(lo, 3 * hi), self.net_arrive, m)
+
+    def net_arrive(self, m: Message) -> None:
+        if (m.src, m.dst) in self.cut:
+            return  # a partition also drops what was in flight
+        node = self.nodes.get(m.dst)
+        if node is not None:
+            self.deliver(node, m)
+
+    def partition(self, _: Any) -> None:
+        names = list(self.names)
+        self.rng.shuffle(names)
+        k = self.rng.randint(1, len(names) // 2)
+        side = set(names[:k])
+        self.cut = {(a, b) for a in names for b in names if (a in side) != (b in side)}
+        self.log(f"PARTITION {sorted(side)} | rest")
+        self.at(self.now + self.rng.randint(50, 600), self.heal)
+
+    def isolate(self, name: str) -> None:
+        self.cut = {(a, b) for a in self.names for b in self.names if (a == name) != (b == name)}
+        self.log(f"ISOLATE {name}")
+        self.at(self.now + self.rng.randint(30, 300), self.heal)
+
+    def heal(self, _: Any = None) -> None:
+        if self.cut:
+            self.log("HEAL")
+        self.cut = set()
+
+    # ------------------------------------------------------------------
+    # meta
+
+    def view(self) -> MetaView:
+        return MetaView(self.m_term, self.m_leader, self.m_voters, self.m_learners, self.m_conf_ver)
+
+    def send_view(self, node: Node, delay: int, view: MetaView | None = None) -> None:
+        self.at(self.now + delay, self.view_arrive, (node, view or self.view()))
+
+    def view_arrive(self, arg: tuple[Node, MetaView]) -> None:
+        node, v = arg
+        self.deliver(node, v)
+
+    def broadcast_view(self) -> None:
+        v = self.view()
+        self.m_views.append(v)
+        for n in self.names:
+            if self.converging or self.rng.random() > 0.15:
+                self.send_view(self.nodes[n], self.rng.randint(1, 40), v)
+
+    def meta_cas(self, leader: str) -> None:
+        self.m_term += 1
+        self.m_leader = leader
+        self.m_changed_at = self.now
+        self.log(f"META term {self.m_term} leader {leader}")
+        self.stats["meta_cas"] += 1
+        self.broadcast_view()
+        if not self.converging and self.rng.random() < self.p.nemesis:
+            # Failovers fail half-way in real life: the new leader is lost
+            # while its adopted tail and term start are partly replicated.
+            self.at(self.now + self.rng.randint(5, 80), self.strike, leader)
+
+    def nemesis_roll(self, share: float) -> bool:
+        return bool(self.p.nemesis) and not self.converging and self.rng.random() < self.p.nemesis * share
+
+    def strike_after_append(self, r: Replica, p: Persist) -> bool:
+        """Cut a leader off right after it appended, before it replicates:
+        a failover that dies at birth leaves its term start on itself
+        alone, a leader that dies mid-write leaves a local-only tail."""
+        kind = p.entries[-1].kind
+        if kind == "term_start" and p.entries[-1].term == r.term:
+            return self.nemesis_roll(1.0)
+        return kind == "op" and self.nemesis_roll(0.1)
+
+    def strike(self, name: str) -> None:
+        if self.converging:
+            return
+        node = self.nodes[name]
+        if self.rng.random() < 0.5:
+            if sum(1 for n in self.nodes.values() if n.replica is None) < 2:
+                self.crash(node)
+        else:
+            self.isolate(name)
+
+    def meta_transfer(self, arg: tuple[int, str]) -> None:
+        term, target = arg
+        if term == self.m_term and target in self.m_voters:
+            self.stats["transfer_done"] += 1
+            self.meta_cas(target)
+
+    def meta_record_config(self, e: Entry) -> None:
+        if e.seq <= self.m_conf_ver:
+            return
+        cfg: Config = e.data
+        self.m_voters, self.m_learners, self.m_conf_ver = cfg.voters, cfg.learners, e.seq
+        self.log(f"META config v{e.seq} {cfg}")
+        self.at(self.now + self.rng.randint(1, 30), lambda _: self.broadcast_view())
+
+    def meta_watch(self, _: Any) -> None:
+        """Long-poll re-reads: every replica sees the current view again,
+        now and then a stale one."""
+        rng = self.rng
+        for n in self.names:
+            if rng.random() < 0.5:
+                self.send_view(self.nodes[n], rng.randint(1, 30))
+        if self.m_views and rng.random() < 0.2 and not self.converging:
+            self.send_view(self.nodes[rng.choice(self.names)], rng.randint(1, 30), rng.choice(self.m_views))
+        self.at(self.now + rng.randint(80, 200), self.meta_watch)
+
+    def meta_failover(self) -> None:
+        """What meta's controller does when the leader does not report."""
+        node = self.nodes.get(self.m_leader or "")
+        r = node.replica if node else None
+        healthy = r is not None and r.ready and r.term == self.m_term
+        if healthy or self.now - self.m_changed_at < self.p.patience_ms:
+            return
+        live = [n for n in self.m_voters if self.nodes[n].replica is not None]
+        if not live:
+            return
+        if self.converging:
+            best = max(live, key=self.log_position)
+        else:
+            best = self.adversarial_pick(live)
+        self.meta_cas(best)
+
+    def log_position(self, name: str) -> tuple[int, int]:
+        r = self.nodes[name].replica
+        return (r.last_term, r.last_seq) if r is not None else (-1, -1)
+
+    def adversarial_pick(self, names: tuple[str, ...] | list[str]) -> str:
+        """Safety must not depend on meta's pick: sometimes the stalest
+        voter, sometimes the one with the newest (maybe unreplicated) tail."""
+        x = self.rng.random()
+        if x < 0.25:
+            return min(names, key=self.log_position)
+        if x < 0.5:
+            return max(names, key=self.log_position)
+        return self.rng.choice(names)
+
+    # ------------------------------------------------------------------
+    # clients
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def pick_target(self) -> Node:
+        if self.m_leader is not None and self.rng.random() < 0.8:
+            return self.nodes[self.m_leader]
+        return self.nodes[self.rng.choice(self.names)]
+
+    def client_write(self) -> None:
+        i = self.new_id()
+        ack = self.rng.choice(("quorum", "quorum", "quorum", "all", "leader"))
+        w = WriteOp(i, f"r{i}", i, ack)
+        self.writes[i] = w
+        self.send_write(w, self.pick_target())
+
+    def send_write(self, w: WriteOp, node: Node) -> None:
+        w.attempts += 1
+        req = ("w", w.id, w.attempts)
+        self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, ClientWrite(req, w.value, w.ack, w.rid)))
+        self.at(self.now + 1500, self.write_silence, (w, w.attempts))
+
+    def write_silence(self, arg: tuple[WriteOp, int]) -> None:
+        w, attempt = arg
+        if not w.done and w.attempts == attempt and attempt < 12:
+            self.send_write(w, self.pick_target())
+
+    def on_reply(self, node: Node, rep: Reply) -> None:
+        kind, i, *_ = rep.req
+        if kind == "w":
+            self.on_write_reply(node, self.writes[i], rep)
+        elif kind == "r":
+            self.reads[i].done = True
+            self.stats[f"read_{rep.error_code}"] += 1
+        else:
+            self.stats[f"membership_{rep.error_code or 'ok'}"] += 1
+        # membership / other replies need no bookkeeping
+
+    def on_write_reply(self, node: Node, w: WriteOp, rep: Reply) -> None:
+        self.stats[f"write_{rep.error_code or 'ok_' + w.ack}"] += 1
+        if rep.ok:
+            if w.ack != "leader":
+                s = rep.seq
+                if s >= len(self.C) or self.C_rid[s] != w.rid:
+                    self.fail(f"{node.name} acknowledged {w.rid}@{s} which is not committed there")
+                prev = self.acked.setdefault(w.rid, s)
+                if prev != s:
+                    self.fail(f"{w.rid} acknowledged at {prev} and at {s}")
+                if s > self.max_acked:
+                    self.max_acked = s
+            w.done = True
+            w.seq = rep.seq
+            return
+        if w.done or rep.req[2] != w.attempts or w.attempts >= 12:
+            return
+        if rep.error_code == "not_leader" and rep.leader in self.nodes and self.rng.random() < 0.8:
+            target = self.nodes[rep.leader]
+        else:
+            target = self.pick_target()
+        self.at(self.now + self.rng.randint(20, 80), lambda _: self.send_write(w, target) if not w.done else None)
+
+    def client_read(self, strong: bool) -> None:
+        i = self.new_id()
+        if strong:
+            op = ReadOp(i, "strong", self.max_acked)
+            node = self.pick_target()
+            ev = ClientRead(("r", i), "q", "strong", 0, self.now + 400)
+        else:
+            want = self.rng.randint(0, self.max_acked)
+            op = ReadOp(i, "follower", want)
+            node = self.nodes[self.rng.choice(self.names)]
+            ev = ClientRead(("r", i), "q", "follower", want, self.now + 400)
+        self.reads[i] = op
+        self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, ev))
+
+    def on_serve(self, node: Node, r: Replica, s: ServeRead) -> None:
+        op = self.reads[s.req[1]]
+        if op.done:
+            self.fail(f"read {op.id} served twice")
+        op.done = True
+        self.stats[f"served_{op.consistency}"] += 1
+        if r.applied_seq < s.at_seq:
+            self.fail(f"{node.name} serves read at {s.at_seq} with applied {r.applied_seq}")
+        if s.at_seq < op.min_seq:
+            kind = "stale strong read" if op.consistency == "strong" else "follower read below min_seq"
+            self.fail(f"{kind}: {node.name} served at {s.at_seq}, needed {op.min_seq}")
+
+    def snapshot_done(self, arg: tuple[Node, int, str]) -> None:
+        node, inc, source = arg
+        src = self.nodes[source]
+        if node.inc != inc or src.replica is None or (source, node.name) in self.cut or src.disk.snapshot is None:
+            return
+        self.stats["snapshot_installed"] += 1
+        self.deliver(node, SnapshotInstalled(src.disk.snapshot))
+
+    # ------------------------------------------------------------------
+    # the chaos driver
+
+    def drive(self, _: Any) -> None:
+        if self.converging:
+            return
+        rng = self.rng
+        x = rng.random()
+        if x < 0.45:
+            self.client_write()
+        elif x < 0.60:
+            self.client_read(strong=True)
+        elif x < 0.65:
+            self.client_read(strong=False)
+        elif x < 0.68:
+            pass
+        elif x < 0.71:
+            down = sum(1 for n in self.nodes.values() if n.replica is None)
+            if down < 2:
+                self.crash(self.nodes[rng.choice(self.names)])
+        elif x < 0.735:
+            if not self.cut:
+                self.partition(None)
+        elif x < 0.755:
+            self.transfer()
+        elif x < 0.785:
+            self.membership()
+        elif x < 0.805:
+            node = self.nodes[rng.choice(self.names)]
+            if node.replica is not None:
+                self.deliver(node, Compact(node.replica.applied_seq))
+        if rng.random() < self.p.meta_rate:
+            self.meta_cas(self.adversarial_pick(self.m_voters))
+        self.meta_failover()
+        lo, hi = self.p.step_ms
+        self.at(self.now + rng.randint(lo, hi), self.drive)
+
+    def transfer(self) -> None:
+        if self.m_leader is None:
+            return
+        node = self.nodes[self.m_leader]
+        others = [v for v in self.m_voters if v != self.m_leader]
+        if others:
+            self.deliver(node, TransferLeader(self.rng.choice(others)))
+
+    def membership(self) -> None:
+        if self.m_leader is None:
+            return
+        rng = self.rng
+        node = self.nodes[self.m_leader]
+        outside = [n for n in self.names if n not in self.m_voters and n not in self.m_learners]
+        choices: list[ChangeMembership] = []
+        req = ("m", self.new_id())
+        if outside:
+            choices.append(ChangeMembership(req, add_learner=rng.choice(outside)))
+        if self.m_learners:
+            choices.append(ChangeMembership(req, promote=rng.choice(self.m_learners)))
+            choices.append(ChangeMembership(req, remove=rng.choice(self.m_learners)))
+        if len(self.m_voters) > 2:
+            choices.append(ChangeMembership(req, remove=rng.choice(self.m_voters)))
+        if choices:
+            self.deliver(node, rng.choice(choices))
+
+    # ------------------------------------------------------------------
+    # the end
+
+    def begin_convergence(self, _: Any) -> None:
+        self.converging = True
+        self.log("CONVERGE")
+        self.heal()
+        for n in self.names:
+            node = self.nodes[n]
+            if node.replica is None:
+                node.down_until = self.now
+                self.at(self.now + 1, self.restart, node)
+        self.at(self.now + 50, self.converge_tick)
+
+    def converge_tick(self, _: Any) -> None:
+        self.meta_failover()
+        self.at(self.now + 50, self.converge_tick)
+
+    @property
+    def converged(self) -> bool:
+        if not self.converging or self.m_leader is None:
+            return False
+        lr = self.nodes[self.m_leader].replica
+        if lr is None or not lr.ready or lr.term != self.m_term or lr.commit_seq != lr.last_seq:
+            return False
+        if lr.transfer_target is not None:
+            return False
+        for n in (*lr.voters, *lr.learners):
+            r = self.nodes[n].replica
+            if r is None or r.last_seq != lr.last_seq or r.applied_seq != lr.last_seq or r.term != lr.term:
+                return False
+        return True
+
+
+def run_seed(
+    seed: int, replica_cls: type[Replica] = Replica, verbose: bool = False, profile: str | None = None
+) -> Sim:
+    sim = Sim(seed, replica_cls, verbose, profile)
+    sim.run()
+    return sim

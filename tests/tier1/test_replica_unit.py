@@ -1,0 +1,672 @@
+"""Unit tests of the concrete protocol steps of worker/replica.py.
+
+A tiny synchronous harness delivers messages FIFO until quiet; tests poke
+at the exact messages where the protocol step under test happens.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from worker.dedup import DedupTable
+from worker.replica import Replica
+from worker.replica_msgs import (
+    Append,
+    AppendReply,
+    Apply,
+    Begin,
+    BeginOk,
+    ChangeMembership,
+    ClientRead,
+    ClientWrite,
+    Compact,
+    Config,
+    DownloadSnapshot,
+    Entry,
+    Fetch,
+    Heartbeat,
+    HeartbeatReply,
+    Message,
+    MetaView,
+    Persist,
+    ReplicaConfig,
+    Reply,
+    ReportReady,
+    Send,
+    ServeRead,
+    SnapshotInstalled,
+    SnapshotNeeded,
+    StaleTerm,
+    StoredState,
+    Tick,
+    TransferLeader,
+    TransferReady,
+)
+
+CFG = ReplicaConfig()
+
+
+def op(term: int, seq: int, data: Any = None, rid: str | None = None) -> Entry:
+    return Entry(term, seq, "op", data if data is not None else f"v{term}.{seq}", rid, 0)
+
+
+class Net:
+    """Replicas plus a FIFO of in-flight messages; records every effect."""
+
+    def __init__(self, stored: dict[str, StoredState], cfg: ReplicaConfig = CFG) -> None:
+        self.r = {n: Replica(n, 0, cfg, s) for n, s in stored.items()}
+        self.queue: list[Message] = []
+        self.effects: dict[str, list[Any]] = {n: [] for n in stored}
+        self.now = 1000
+        self.drop: Callable[[Message], bool] = lambda m: False
+
+    def do(self, node: str, ev: Any) -> list[Any]:
+        out = self.r[node].handle(ev, self.now)
+        self.effects[node].extend(out)
+        for e in out:
+            if isinstance(e, Send):
+                self.queue.append(e.msg)
+        return out
+
+    def run(self, limit: int = 10_000) -> None:
+        while self.queue and limit:
+            limit -= 1
+            m = self.queue.pop(0)
+            if self.drop(m) or m.dst not in self.r:
+                continue
+            self.do(m.dst, m)
+
+    def view(self, term: int, leader: str, voters: tuple[str, ...], learners: tuple[str, ...] = (), conf_ver: int = 0) -> None:
+        v = MetaView(term, leader, voters, learners, conf_ver)
+        for n in self.r:
+            self.do(n, v)
+
+    def tick(self, ms: int) -> None:
+        self.now += ms
+        for n in self.r:
+            self.do(n, Tick())
+
+    def of(self, node: str, kind: type) -> list[Any]:
+        return [e for e in self.effects[node] if isinstance(e, kind)]
+
+    def sent(self, kind: type) -> list[Any]:
+        return [m for effs in self.effects.values() for e in effs if isinstance(e, Send) for m in [e.msg] if isinstance(m, kind)]
+
+
+def log_of(r: Replica) -> list[tuple[int, int]]:
+    return [(e.term, e.seq) for e in r.entries(1, r.last_seq)]
+
+
+def stored(term: int, entries: list[Entry], commit: int = 0) -> StoredState:
+    return StoredState(term=term, entries=list(entries), commit=commit)
+
+
+VOTERS = ("a", "b", "c")
+
+
+def ready_net(n: int = 3, cfg: ReplicaConfig = CFG) -> Net:
+    names = tuple("abcde"[:n])
+    net = Net({x: StoredState() for x in names}, cfg)
+    net.view(1, "a", names)
+    net.run()
+    assert net.r["a"].ready
+    return net
+
+
+# ---------------------------------------------------------------------------
+# Start of term
+
+
+def test_new_group_becomes_ready_and_reports() -> None:
+    net = ready_net()
+    a = net.r["a"]
+    assert a.role == "leader" and a.term == 1
+    assert net.of("a", ReportReady) == [ReportReady(1)]
+    assert a.commit_seq == 1 and log_of(a) == [(1, 1)]
+    # the term is persisted before Begin goes out
+    effs = net.effects["a"]
+    first_persist = next(i for i, e in enumerate(effs) if isinstance(e, Persist) and e.term == 1)
+    first_begin = next(i for i, e in enumerate(effs) if isinstance(e, Send) and isinstance(e.msg, Begin))
+    assert first_persist < first_begin
+
+
+def test_begin_ok_follows_persisted_term() -> None:
+    r = Replica("b", 0, CFG, stored(1, [op(1, 1)]))
+    out = r.handle(Begin(src="a", dst="b", group=0, term=2), 5)
+    assert isinstance(out[0], Persist) and out[0].term == 2
+    ok = out[1].msg
+    assert isinstance(ok, BeginOk) and (ok.last_term, ok.last_seq) == (1, 1)
+    # from now on, term 1 is rejected
+    out = r.handle(Append(src="x", dst="b", group=0, term=1, prev_term=1, prev_seq=1, entries=(op(1, 2),), commit=0), 6)
+    assert isinstance(out[0].msg, StaleTerm) and out[0].msg.term == 2
+    assert r.last_seq == 1
+
+
+def test_begin_adopts_greatest_last_term_then_seq() -> None:
+    # a is stale; b has the longest log; c has the greatest last term.
+    net = Net(
+        {
+            "a": stored(3, [op(1, 1), op(1, 2)], commit=1),
+            "b": stored(3, [op(1, 1), op(1, 2), op(2, 3), op(2, 4), op(2, 5)], commit=1),
+            "c": stored(3, [op(1, 1), op(1, 2), op(2, 3), op(3, 4)], commit=1),
+        }
+    )
+    # b's promise arrives after c's: the majority {a, c} decides
+    net.drop = lambda m: isinstance(m, Begin) and m.dst == "b"
+    net.view(4, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    assert a.ready
+    fetches = net.sent(Fetch)
+    assert fetches and all(f.dst == "c" for f in fetches)
+    assert log_of(a) == [(1, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    # b's uncommitted (2,4),(2,5) are cut in favour of the adopted log
+    assert log_of(net.r["b"]) == log_of(a)
+
+
+def test_begin_adopts_greatest_seq_on_equal_last_term() -> None:
+    net = Net(
+        {
+            "a": stored(3, [op(1, 1), op(2, 2)], commit=1),
+            "b": stored(3, [op(1, 1), op(2, 2), op(2, 3), op(2, 4)], commit=1),
+            "c": stored(3, [op(1, 1), op(2, 2), op(2, 3)], commit=1),
+        }
+    )
+    net.view(4, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    assert a.ready and [f.dst for f in net.sent(Fetch)] == ["b"]
+    assert log_of(a) == [(1, 1), (2, 2), (2, 3), (2, 4), (4, 5)]
+
+
+def test_begin_majority_only_adopts_among_responders() -> None:
+    net = Net(
+        {
+            "a": stored(1, [op(1, 1)]),
+            "b": stored(1, [op(1, 1)]),
+            "c": stored(1, [op(1, 1), op(1, 2), op(1, 3)]),
+        }
+    )
+    net.drop = lambda m: m.dst == "c" or m.src == "c"
+    net.view(2, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    assert a.ready and log_of(a) == [(1, 1), (2, 2)]  # c's tail was never acknowledged
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert log_of(net.r["c"]) == [(1, 1), (2, 2)]
+
+
+def test_no_quorum_no_progress_and_begin_is_retried() -> None:
+    net = Net({x: StoredState() for x in VOTERS})
+    net.drop = lambda m: m.dst != "a"
+    net.view(1, "a", VOTERS)
+    net.run()
+    assert net.r["a"].role == "candidate" and not net.r["a"].ready
+    assert len(net.sent(Begin)) == 2
+    net.tick(CFG.retry_ms)
+    assert len(net.sent(Begin)) == 4
+    net.drop = lambda m: False
+    net.run()
+    assert net.r["a"].ready
+
+
+def test_restarted_leader_does_not_resume_its_term() -> None:
+    net = ready_net()
+    a2 = Replica("a", 0, CFG, stored(1, [Entry(1, 1, "term_start")], commit=1))
+    out = a2.handle(MetaView(1, "a", VOTERS), 5000)
+    assert a2.role == "follower" and not any(isinstance(e, Send) for e in out)
+
+
+def test_stale_leader_steps_down_on_higher_term() -> None:
+    net = ready_net()
+    net.view(2, "b", VOTERS)
+    net.run()
+    assert net.r["b"].ready and net.r["a"].role == "follower" and net.r["a"].leader == "b"
+    out = net.do("a", ClientWrite("w", "x"))
+    assert out[0] == Reply("w", False, 0, 2, "not_leader", "b")
+
+
+def test_write_pending_when_leader_steps_down_gets_quorum_timeout() -> None:
+    net = ready_net()
+    net.drop = lambda m: True
+    net.do("a", ClientWrite("w", "x"))
+    out = net.do("a", StaleTerm(src="b", dst="a", group=0, term=5))
+    assert Reply("w", False, 0, 1, "quorum_timeout", None) in out
+    assert any(type(e).__name__ == "RefreshMeta" for e in out)
+    assert net.r["a"].term == 5 and net.r["a"].role == "follower"
+
+
+def test_meta_naming_a_non_voter_is_refused() -> None:
+    r = Replica("d", 0, CFG, StoredState())
+    out = r.handle(MetaView(3, "d", VOTERS), 1)
+    assert r.role == "follower" and r.term == 3 and not any(isinstance(e, Send) for e in out)
+
+
+# ---------------------------------------------------------------------------
+# Log matching and truncation
+
+
+def test_conflicting_suffix_is_truncated_by_term_and_seq() -> None:
+    r = Replica("b", 0, CFG, stored(2, [op(1, 1), op(2, 2), op(2, 3)], commit=1))
+    out = r.handle(
+        Append(src="a", dst="b", group=0, term=3, prev_term=1, prev_seq=1, entries=(op(3, 2), op(3, 3), op(3, 4)), commit=1),
+        10,
+    )
+    p = [e for e in out if isinstance(e, Persist)]
+    assert len(p) == 1 and p[0].term == 3 and p[0].truncate_after == 1 and [e.seq for e in p[0].entries] == [2, 3, 4]
+    assert log_of(r) == [(1, 1), (3, 2), (3, 3), (3, 4)]
+    reply = [e.msg for e in out if isinstance(e, Send)][0]
+    assert isinstance(reply, AppendReply) and reply.ok and reply.match == 4
+    # the reply comes after the Persist that makes it true
+    assert out.index(p[0]) < [i for i, e in enumerate(out) if isinstance(e, Send)][0]
+
+
+def test_matching_prefix_is_kept_and_stale_duplicate_is_harmless() -> None:
+    r = Replica("b", 0, CFG, stored(3, [op(1, 1), op(3, 2), op(3, 3)]))
+    out = r.handle(Append(src="a", dst="b", group=0, term=3, prev_term=1, prev_seq=1, entries=(op(3, 2),), commit=0), 10)
+    assert not any(isinstance(e, Persist) for e in out)
+    assert log_of(r) == [(1, 1), (3, 2), (3, 3)]  # the shorter duplicate does not cut the tail
+    assert out[-1].msg.match == 2
+
+
+def test_prev_mismatch_hint_skips_a_whole_term() -> None:
+    r = Replica("b", 0, CFG, stored(2, [op(1, 1), op(2, 2), op(2, 3), op(2, 4)]))
+    out = r.handle(Append(src="a", dst="b", group=0, term=3, prev_term=3, prev_seq=4, entries=(), commit=0), 10)
+    rep = [e.msg for e in out if isinstance(e, Send)][0]
+    # etcd's findConflictByTerm: the follower names its last entry whose
+    # term is <= prev_term; the leader then skips its own entries of
+    # terms > 2 the same way.
+    assert not rep.ok and (rep.hint_seq, rep.hint_term) == (4, 2)
+    out = r.handle(Append(src="a", dst="b", group=0, term=3, prev_term=1, prev_seq=9, entries=(), commit=0), 11)
+    rep = [e.msg for e in out if isinstance(e, Send)][0]
+    assert not rep.ok and (rep.hint_seq, rep.hint_term) == (4, 2)
+
+
+def test_leader_backs_up_quickly_to_repair_a_divergent_follower() -> None:
+    long_tail = [op(1, 1)] + [op(2, s) for s in range(2, 40)]
+    net = Net({"a": stored(3, [op(1, 1), op(3, 2)], commit=1), "b": stored(3, [op(1, 1), op(3, 2)], commit=1), "c": stored(2, long_tail, commit=1)})
+    net.drop = lambda m: m.dst == "c" and isinstance(m, Begin)
+    net.view(4, "a", VOTERS)
+    net.run()
+    assert log_of(net.r["c"]) == log_of(net.r["a"])
+    assert len([m for m in net.sent(Append) if m.dst == "c"]) <= 3
+
+
+def test_truncating_a_committed_entry_is_an_assertion() -> None:
+    r = Replica("b", 0, CFG, stored(2, [op(1, 1), op(2, 2)], commit=2))
+    with pytest.raises(AssertionError):
+        r.handle(Append(src="a", dst="b", group=0, term=3, prev_term=1, prev_seq=1, entries=(op(3, 2),), commit=0), 10)
+
+
+def test_follower_commit_is_bounded_by_what_the_append_vouched_for() -> None:
+    r = Replica("b", 0, CFG, stored(1, [op(1, 1), op(1, 2), op(1, 3)]))
+    r.handle(Append(src="a", dst="b", group=0, term=2, prev_term=1, prev_seq=1, entries=(), commit=3), 10)
+    assert r.commit_seq == 1
+
+
+# ---------------------------------------------------------------------------
+# Commit rule
+
+
+def test_previous_term_entries_commit_only_with_the_term_start() -> None:
+    net = Net({"a": stored(1, [op(1, 1), op(1, 2)]), "b": stored(1, [op(1, 1)]), "c": stored(1, [op(1, 1)])}, ReplicaConfig(max_batch_entries=1))
+    held: list[Message] = []
+
+    def hold(m: Message) -> bool:
+        # b's acknowledgements of anything past seq 2 are held back
+        if isinstance(m, AppendReply) and m.src == "b" and m.match > 2:
+            held.append(m)
+            return True
+        return isinstance(m, (AppendReply, Append)) and "c" in (m.src, m.dst)
+
+    net.drop = hold
+    net.view(2, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    # a majority (a, b) durably holds (1, 2), yet it is not committed: only
+    # an entry of term 2 can be committed by counting.
+    assert net.r["b"].last_seq >= 2 and a.commit_seq == 0 and not a.ready
+    net.drop = lambda m: False
+    for m in held:
+        net.do("a", m)
+    net.run()
+    assert a.ready and a.commit_seq == 3
+    applied = [e.seq for x in net.of("a", Apply) for e in x.entries]
+    assert applied == [1, 2, 3]
+
+
+def test_learners_never_count() -> None:
+    net = Net({x: StoredState() for x in ("a", "b", "c", "l")})
+    net.drop = lambda m: m.dst in ("b", "c") or m.src in ("b", "c")
+    net.view(1, "a", VOTERS, ("l",))
+    net.run()
+    assert not net.r["a"].ready  # Begin cannot even finish without b or c
+
+
+def test_single_voter_commits_alone() -> None:
+    net = Net({"a": StoredState()})
+    net.view(1, "a", ("a",))
+    net.run()
+    out = net.do("a", ClientWrite("w", "x", rid="r1"))
+    assert Reply("w", True, 2, 1, None, "a") in out
+
+
+# ---------------------------------------------------------------------------
+# Writes, dedup and ack modes
+
+
+def test_quorum_write_is_replied_after_commit_and_apply() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x", rid="r1"))
+    assert not net.of("a", Reply)
+    net.run()
+    effs = net.effects["a"]
+    i_apply = max(i for i, e in enumerate(effs) if isinstance(e, Apply))
+    i_reply = next(i for i, e in enumerate(effs) if isinstance(e, Reply))
+    assert effs[i_reply] == Reply("w", True, 2, 1, None, "a") and i_apply < i_reply
+
+
+def test_retried_rid_is_deduplicated() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w1", "x", rid="r1"))
+    net.do("a", ClientWrite("w2", "x", rid="r1"))  # pending: attached
+    net.run()
+    replies = net.of("a", Reply)
+    assert replies == [Reply("w1", True, 2, 1, None, "a"), Reply("w2", True, 2, 1, None, "a")]
+    out = net.do("a", ClientWrite("w3", "x", rid="r1"))  # committed: answered at once
+    assert out[0] == Reply("w3", True, 2, 1, None, "a") and net.r["a"].last_seq == 2
+    # another leader knows it too: the table is derived from the log
+    net.view(2, "b", VOTERS)
+    net.run()
+    out = net.do("b", ClientWrite("w4", "x", rid="r1"))
+    assert out[0] == Reply("w4", True, 2, 2, None, "b")
+    rids = [e.rid for e in net.r["b"].entries(1, 99)]
+    assert rids.count("r1") == 1
+
+
+def test_pending_rid_survives_leader_change_and_commits_once() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.dst == "c" or isinstance(m, AppendReply)
+    net.do("a", ClientWrite("w1", "x", rid="r1"))  # reaches b only, never acknowledged
+    net.run()
+    assert net.r["b"].last_seq == 2 and net.r["a"].commit_seq == 1
+    net.drop = lambda m: False
+    net.view(2, "c", VOTERS)
+    net.run()
+    c = net.r["c"]
+    assert c.ready
+    out = net.do("c", ClientWrite("w2", "x", rid="r1"))
+    assert out[0] == Reply("w2", True, 2, 2, None, "c")
+    assert [e.rid for e in c.entries(1, 99)].count("r1") == 1
+
+
+def test_ack_leader_replies_after_persist_before_commit() -> None:
+    net = ready_net()
+    out = net.do("a", ClientWrite("w", "x", ack="leader"))
+    kinds = [type(e).__name__ for e in out]
+    assert kinds.index("Persist") < kinds.index("Reply")
+    assert net.r["a"].commit_seq == 1
+
+
+def test_ack_all_waits_for_every_voter() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.dst == "c"
+    net.do("a", ClientWrite("w", "x", ack="all"))
+    net.run()
+    assert net.r["a"].commit_seq == 2 and not net.of("a", Reply)
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.of("a", Reply) == [Reply("w", True, 2, 1, None, "a")]
+
+
+def test_quorum_timeout() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.src != "a"
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.quorum_timeout_ms - 1)
+    assert not net.of("a", Reply)
+    net.tick(1)
+    assert net.of("a", Reply) == [Reply("w", False, 0, 1, "quorum_timeout", "a")]
+
+
+def test_not_leader_carries_hint() -> None:
+    net = ready_net()
+    out = net.do("b", ClientWrite("w", "x"))
+    assert out[0] == Reply("w", False, 0, 1, "not_leader", "a")
+
+
+def test_pipelining_one_append_in_flight_then_batch() -> None:
+    net = ready_net()
+    for i in range(5):
+        net.do("a", ClientWrite(f"w{i}", i))
+    appends = [m for m in net.sent(Append) if m.dst == "b" and m.entries and m.entries[0].kind == "op"]
+    assert len(appends) == 1 and len(appends[0].entries) == 1
+    net.run()
+    appends = [m for m in net.sent(Append) if m.dst == "b" and m.entries and m.entries[0].kind == "op"]
+    assert [len(m.entries) for m in appends] == [1, 4]
+    assert len(net.of("a", Reply)) == 5
+
+
+def test_lost_append_is_retransmitted() -> None:
+    net = ready_net()
+    net.drop = lambda m: isinstance(m, Append)
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.of("a", Reply) == [Reply("w", True, 2, 1, None, "a")]
+
+
+def test_heartbeat_carries_commit_to_followers() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    assert net.r["b"].commit_seq == 1
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert net.r["b"].commit_seq == 2 and net.r["b"].applied_seq == 2
+
+
+# ---------------------------------------------------------------------------
+# Reads
+
+
+def test_read_index_round_is_shared() -> None:
+    net = ready_net(5)
+    hb0 = len(net.sent(Heartbeat))
+    net.do("a", ClientRead("r1", "q", deadline=net.now + 500))
+    assert len(net.sent(Heartbeat)) - hb0 == 4  # round 1 to every other voter
+    net.do("a", ClientRead("r2", "q", deadline=net.now + 500))
+    net.do("a", ClientRead("r3", "q", deadline=net.now + 500))
+    assert len(net.sent(Heartbeat)) - hb0 == 4  # r2, r3 wait for the next round
+    net.run()
+    served = net.of("a", ServeRead)
+    assert [s.req for s in served] == ["r1", "r2", "r3"]
+    assert len(net.sent(Heartbeat)) - hb0 == 8  # exactly two rounds for three reads
+
+
+def test_strong_read_needs_a_quorum() -> None:
+    net = ready_net()
+    net.drop = lambda m: isinstance(m, HeartbeatReply)
+    net.do("a", ClientRead("r", "q", deadline=net.now + 300))
+    net.run()
+    assert not net.of("a", ServeRead)
+    net.tick(300)
+    assert net.of("a", Reply) == [Reply("r", False, 0, 1, "deadline_exceeded", "a")]
+
+
+def test_strong_read_refused_off_leader() -> None:
+    net = ready_net()
+    out = net.do("b", ClientRead("r", "q", deadline=net.now + 300))
+    assert out[0] == Reply("r", False, 0, 1, "not_leader", "a")
+
+
+def test_follower_read_waits_for_min_seq() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.dst == "c"
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    out = net.do("c", ClientRead("r", "q", "follower", min_seq=2, deadline=net.now + 1000))
+    assert not any(isinstance(e, ServeRead) for e in out)
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert net.of("c", ServeRead) == [ServeRead("r", 2)]
+
+
+def test_follower_read_deadline() -> None:
+    net = ready_net()
+    net.do("c", ClientRead("r", "q", "follower", min_seq=9, deadline=net.now + 100))
+    net.tick(100)
+    assert net.of("c", Reply) == [Reply("r", False, 0, 1, "deadline_exceeded", "a")]
+
+
+# ---------------------------------------------------------------------------
+# Transfer and membership
+
+
+def test_transfer_refuses_writes_naming_the_target_then_reports() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.dst == "b"
+    net.do("a", ClientWrite("w0", "x"))
+    net.run()
+    net.do("a", TransferLeader("b"))
+    out = net.do("a", ClientWrite("w1", "y"))
+    assert out[0] == Reply("w1", False, 0, 1, "not_leader", "b")
+    assert not net.of("a", TransferReady)
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.of("a", TransferReady) == [TransferReady("b", 1, 2)]
+    net.view(2, "b", VOTERS)
+    net.run()
+    assert net.r["b"].ready and net.r["a"].role == "follower"
+
+
+def test_transfer_times_out_and_admits_again() -> None:
+    net = ready_net()
+    net.do("a", TransferLeader("b"))
+    net.run()
+    assert net.of("a", TransferReady)
+    net.tick(CFG.transfer_timeout_ms)
+    out = net.do("a", ClientWrite("w", "x"))
+    assert not any(isinstance(e, Reply) for e in out)
+    net.run()
+    assert net.of("a", Reply)[-1].ok
+
+
+def test_membership_add_promote_remove() -> None:
+    net = Net({x: StoredState() for x in ("a", "b", "c", "d")})
+    net.view(1, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    net.do("a", ChangeMembership("m1", add_learner="d"))
+    out = net.do("a", ChangeMembership("m2", promote="d"))
+    assert Reply("m2", False, 0, 1, "busy", "a") in out
+    net.run()
+    assert net.of("a", Reply)[-1] == Reply("m1", True, 2, 1, None, "a")
+    assert a.learners == ("d",) and net.r["d"].role == "learner" and net.r["d"].last_seq == 2
+    out = net.do("a", ChangeMembership("m3", promote="d"))
+    assert out[-1].error_code == "busy"  # meta has not recorded conf_ver 2 yet
+    net.view(1, "a", VOTERS, ("d",), conf_ver=2)
+    net.do("a", ChangeMembership("m3", promote="d"))
+    net.run()
+    assert a.voters == ("a", "b", "c", "d") and a.learners == ()
+    net.view(1, "a", ("a", "b", "c", "d"), (), conf_ver=3)
+    out = net.do("a", ChangeMembership("m4", remove="a"))
+    assert out[-1].error_code == "bad_request"
+    net.do("a", ChangeMembership("m5", remove="b"))
+    net.run()
+    assert a.voters == ("a", "c", "d")
+    assert net.of("a", Reply)[-1] == Reply("m5", True, 4, 1, None, "a")
+
+
+def test_promote_refused_while_learner_lags() -> None:
+    net = Net({x: StoredState() for x in ("a", "b", "c", "d")}, ReplicaConfig(promote_max_lag=2))
+    net.view(1, "a", VOTERS)
+    net.run()
+    net.do("a", ChangeMembership("m1", add_learner="d"))
+    net.run()
+    net.view(1, "a", VOTERS, ("d",), conf_ver=2)
+    net.drop = lambda m: m.dst == "d"
+    for i in range(5):
+        net.do("a", ClientWrite(f"w{i}", i))
+    net.run()
+    out = net.do("a", ChangeMembership("m2", promote="d"))
+    assert out[-1].error_code == "lagging"
+
+
+def test_begin_also_needs_the_unrecorded_log_config() -> None:
+    # a's log holds config {a, d, e} that meta (conf_ver 0) never recorded:
+    # a majority of meta's voters alone is not enough.
+    cfg_entry = Entry(1, 2, "config", Config(("a", "d", "e")))
+    net = Net({x: StoredState() for x in ("a", "b", "c", "d", "e")})
+    net.r["a"] = Replica("a", 0, CFG, stored(1, [Entry(1, 1, "term_start"), cfg_entry]))
+    net.drop = lambda m: m.dst in ("d", "e")
+    net.view(2, "a", VOTERS)
+    net.run()
+    assert net.r["a"].role == "candidate"
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.r["a"].ready and net.r["a"].voters == ("a", "d", "e")
+
+
+# ---------------------------------------------------------------------------
+# Snapshots and restart
+
+
+def test_compact_then_lagging_follower_gets_snapshot() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.dst == "c"
+    for i in range(4):
+        net.do("a", ClientWrite(f"w{i}", i, rid=f"r{i}"))
+        net.run()
+    a = net.r["a"]
+    net.do("a", Compact(a.applied_seq))
+    assert a.snapshot_seq == 5 and a.entries(1, 5) == []
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    need = [m for m in net.sent(SnapshotNeeded) if m.dst == "c"]
+    assert need and net.of("c", DownloadSnapshot)
+    meta = [e for e in net.effects["a"] if isinstance(e, Persist) and e.snapshot][-1].snapshot
+    net.do("c", SnapshotInstalled(meta))
+    net.run()
+    c = net.r["c"]
+    assert c.applied_seq == 5 and c.snapshot_seq == 5
+    # the dedup table travelled with the snapshot
+    net.view(2, "c", VOTERS)
+    net.run()
+    out = net.do("c", ClientWrite("again", 0, rid="r0"))
+    assert out[0] == Reply("again", True, 2, 2, None, "c")
+
+
+def test_restart_applies_stored_commit_once() -> None:
+    r = Replica("b", 0, CFG, stored(1, [op(1, 1), op(1, 2), op(1, 3)], commit=2))
+    out = r.handle(Tick(), 5)
+    assert [e.seq for x in out if isinstance(x, Apply) for e in x.entries] == [1, 2]
+    out = r.handle(Tick(), 6)
+    assert not any(isinstance(x, Apply) for x in out)
+
+
+def test_dedup_table_expiry_and_bound() -> None:
+    d = DedupTable(window_ms=100, max_entries=3)
+    for i, ts in enumerate([0, 10, 20, 30]):
+        d.apply(Entry(1, i + 1, "op", None, f"r{i}", ts))
+    assert d.lookup("r0") is None and d.lookup("r1") == 2  # bounded to 3
+    d.apply(Entry(1, 5, "op", None, None, 115))
+    assert d.lookup("r1") is None and d.lookup("r2") == 3  # 10 < 115 - 100
+    again = DedupTable(100, 3, d.export(), d.newest_ts)
+    assert again.export() == d.export()
