@@ -1,0 +1,65 @@
+"""The replicated request-id table of a shard group.
+
+It is a pure function of the applied log (and the snapshot it started from):
+every replica applies the same entries in the same order and therefore holds
+the same table, which is what makes a write retried at another replica apply
+once.  Expiry is driven by entry timestamps (the leader's clock, stamped
+into the entry, and non-decreasing along the log), never by a local clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from worker.replica_msgs import Entry
+
+
+class DedupTable:
+    def __init__(
+        self,
+        window_ms: int,
+        max_entries: int,
+        items: Iterable[tuple[str, int, int]] = (),
+        newest_ts: int = 0,
+    ) -> None:
+        self._window = window_ms
+        self._max = max_entries
+        # Insertion order is apply order, so the oldest entry is always first.
+        self._by_rid: dict[str, tuple[int, int]] = {rid: (seq, ts) for rid, seq, ts in items}
+        self._newest_ts = newest_ts
+
+    @property
+    def newest_ts(self) -> int:
+        return self._newest_ts
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def lookup(self, rid: str) -> int | None:
+        """The seq at which `rid` was applied, if it is still remembered."""
+        hit = self._by_rid.get(rid)
+        return None if hit is None else hit[0]
+
+    def apply(self, entry: Entry) -> None:
+        if entry.ts > self._newest_ts:
+            self._newest_ts = entry.ts
+        if entry.rid is not None and entry.kind == "op":
+            # A rid seen again (only possible after it expired) moves to the
+            # young end, keeping "first is oldest" true.
+            self._by_rid.pop(entry.rid, None)
+            self._by_rid[entry.rid] = (entry.seq, entry.ts)
+        self._expire()
+
+    def _expire(self) -> None:
+        cutoff = self._newest_ts - self._window
+        by_rid = self._by_rid
+        while by_rid:
+            rid = next(iter(by_rid))
+            if len(by_rid) <= self._max and by_rid[rid][1] >= cutoff:
+                break
+            del by_rid[rid]
+
+    def export(self) -> tuple[tuple[str, int, int], ...]:
+        return tuple((rid, seq, ts) for rid, (seq, ts) in self._by_rid.items())
+
+    def copy(self) -> DedupTable:
+        return DedupTable(self._window, self._max, self.export(), self._newest_ts)

@@ -1,0 +1,1381 @@
+"""The replication core of one shard group (DESIGN.md §5), sans-I/O.
+
+`Replica.handle(msg_or_event, now) -> list[Effect]` is a pure state machine in
+the style of etcd's `raft`: no sockets, files, clocks, randomness or logging.
+Time comes in as `now` (integer milliseconds, non-decreasing); everything the
+outside world must do comes out as effects (see worker/replica_msgs.py).
+
+Model
+-----
+Raft log replication with leader election replaced by meta-assigned terms.
+Meta compare-and-sets `term = expect + 1` with a named leader, so a term has
+exactly one leader; replicas learn terms from MetaView events (late, out of
+order or never).  Meta may name any replica, even a stale one, so the new
+leader first runs a start-of-term round (like Viewstamped Replication's view
+change):
+
+1. persist T, send Begin(T) to the voters; a replica that accepts persists T
+   before answering (BeginOk: its last (term, seq) and commit) and from then
+   on rejects older terms;
+2. with a majority of the voters meta named (and of the voters of the newest
+   config entry in the leader's log, when meta has not recorded that one
+   yet), adopt the most up-to-date log among them (greatest last term, then
+   seq), fetching what is missing (Fetch/FetchReply);
+3. append a term-start entry and replicate it; once it commits, everything
+   before it is committed, the leader is ready: it reports ReportReady(T)
+   and admits writes and strong reads.
+
+Commit rule: an entry of the current term commits once a majority of voters
+hold it durably; earlier entries commit with it, never by counting replicas
+(Raft §5.4.2, Figure 8).  Learners receive appends and never count.
+
+Durability contract with the I/O shell
+--------------------------------------
+* The shell performs effects in the order they are returned, across calls,
+  and performs no effect before every `Persist` returned earlier (in this or
+  any earlier call) is durable according to the fsync mode.  It may coalesce
+  consecutive Persists (group commit): run more handle() calls while an fsync
+  is in flight and queue their effects behind it.
+* Hence the leader counts its own append as durable the moment it emits the
+  Persist: whatever depends on it (Sends carrying the entry, replies, Apply)
+  is queued behind that Persist.  A follower's AppendReply, a BeginOk and any
+  answer at a newly adopted term likewise follow the Persist they vouch for.
+* Within one Persist: record the term first, then install the snapshot
+  (drop entries up to its seq), drop entries after `truncate_after`, append
+  `entries`, record `commit`.  A torn Persist is harmless: nothing that
+  depends on it has been performed.
+
+Idempotency
+-----------
+Entries carry the client's request id; a replicated DedupTable (worker/
+dedup.py), derived from the applied log and the snapshot, remembers
+rid -> seq.  A write whose rid is applied is answered with its original seq;
+one whose rid is pending in the log is attached to that entry.
+
+Membership
+----------
+One change at a time, as single-server changes (Raft §4.2 of the
+dissertation): a config entry takes effect when appended.  A new change is
+refused until the previous one has committed *and* meta has recorded it
+(MetaView.conf_ver), so meta's voters are never more than one change behind
+the log; that is what lets the start-of-term round rely on meta's voter set.
+Only a ready leader changes membership, which also gives Ongaro's fix (an
+entry of the leader's term commits before any config change).
+
+Snapshots
+---------
+`Compact(seq)` drops the log up to seq, keeping a SnapshotMeta (term, seq,
+dedup table, config).  A follower whose next entry the leader no longer has
+gets SnapshotNeeded; it emits DownloadSnapshot, and the shell answers with
+SnapshotInstalled once the plugin has been restored.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.dedup import DedupTable
+from worker.replica_msgs import (
+    BAD_REQUEST,
+    BUSY,
+    DEADLINE_EXCEEDED,
+    LAGGING,
+    NOT_LEADER,
+    QUORUM_TIMEOUT,
+    Append,
+    AppendReply,
+    Apply,
+    Begin,
+    BeginOk,
+    ChangeMembership,
+    ClientRead,
+    ClientWrite,
+    Compact,
+    Config,
+    DownloadSnapshot,
+    Effect,
+    Entry,
+    Event,
+    Fetch,
+    FetchReply,
+    Heartbeat,
+    HeartbeatReply,
+    Message,
+    MetaView,
+    Persist,
+    RefreshMeta,
+    ReplicaConfig,
+    Reply,
+    ReportReady,
+    Send,
+    ServeRead,
+    SetTimer,
+    SnapshotInstalled,
+    SnapshotMeta,
+    SnapshotNeeded,
+    StaleTerm,
+    StoredState,
+    Tick,
+    TransferLeader,
+    TransferReady,
+)
+
+__all__ = ["Replica"]
+
+# Leadership phases, in order.  Only "ready" admits writes and strong reads.
+_BEGIN = "begin"  # collecting BeginOk from a majority
+_FETCH = "fetch"  # copying the most up-to-date log of that majority
+_STARTING = "starting"  # term-start entry appended, not yet committed
+_READY = "ready"
+
+
+@dataclass(slots=True)
+class _Progress:
+    """The leader's view of one follower."""
+
+    match: int = 0  # highest seq known to equal ours, durably
+    next: int = 1  # first seq to send
+    inflight: int | None = None  # last seq covered by the outstanding Append / snapshot
+    inflight_prev: int = -1  # prev_seq of the outstanding Append
+    retry_at: int = 0
+
+
+@dataclass(slots=True)
+class _WriteWaiter:
+    req: Any
+    seq: int
+    ack: str
+    deadline: int
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Read:
+    req: Any
+    at_seq: int
+    deadline: int
+
+
+@dataclass(slots=True)
+class _Transfer:
+    target: str
+    deadline: int
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class _Leadership:
+    """Everything that exists only while this replica leads its term."""
+
+    view: MetaView
+    quorums: tuple[tuple[str, ...], ...]  # Begin needs a majority of each
+    begin_to: tuple[str, ...]
+    phase: str = _BEGIN
+    retry_at: int = 0
+    promised: dict[str, tuple[int, int]] = field(default_factory=dict)
+    fetch_src: str = ""
+    fetch_goal: tuple[int, int] = (0, 0)
+    fetch_prev: int = 0
+    term_start_seq: int = 0
+    progress: dict[str, _Progress] = field(default_factory=dict)
+    next_heartbeat: int = 0
+    waiters: dict[int, list[_WriteWaiter]] = field(default_factory=dict)
+    waiter_seqs: list[int] = field(default_factory=list)  # heap of keys of `waiters`
+    waiter_deadlines: deque[_WriteWaiter] = field(default_factory=deque)
+    all_waiters: list[_WriteWaiter] = field(default_factory=list)
+    read_round: int = 0
+    round_inflight: bool = False
+    round_started: int = 0
+    round_acks: set[str] = field(default_factory=set)
+    round_reads: list[_Read] = field(default_factory=list)
+    next_reads: list[_Read] = field(default_factory=list)
+    confirmed_reads: list[_Read] = field(default_factory=list)
+    transfer: _Transfer | None = None
+
+
+_HANDLERS: dict[type, str] = {
+    MetaView: "_on_meta_view",
+    ClientWrite: "_on_client_write",
+    ClientRead: "_on_client_read",
+    Tick: "_on_tick",
+    TransferLeader: "_on_transfer_leader",
+    ChangeMembership: "_on_change_membership",
+    Compact: "_on_compact",
+    SnapshotInstalled: "_on_snapshot_installed",
+    Begin: "_on_begin",
+    BeginOk: "_on_begin_ok",
+    StaleTerm: "_on_stale_term",
+    Fetch: "_on_fetch",
+    FetchReply: "_on_fetch_reply",
+    Append: "_on_append",
+    AppendReply: "_on_append_reply",
+    Heartbeat: "_on_heartbeat",
+    HeartbeatReply: "_on_heartbeat_reply",
+    SnapshotNeeded: "_on_snapshot_needed",
+}
+
+
+class Replica:
+    """One replica of one shard group.  See the module docstring."""
+
+    def __init__(self, node_id: str, group: int, config: ReplicaConfig, stored: StoredState) -> None:
+        self._id = node_id
+        self._group = group
+        self._cfg = config
+        self._term = stored.term
+        snap = stored.snapshot
+        self._snap: SnapshotMeta | None = snap
+        self._snap_seq = snap.seq if snap is not None else 0
+        self._snap_term = snap.term if snap is not None else 0
+        log = [e for e in stored.entries if e.seq > self._snap_seq]
+        for i, e in enumerate(log):
+            if e.seq != self._snap_seq + 1 + i:
+                raise ValueError(f"stored log is not contiguous at seq {e.seq}")
+        self._log: list[Entry] = log
+        # The stored commit may be stale (or, after a power loss, ahead of the
+        # surviving log); clamping it is safe because it only ever grows back
+        # from the leader.
+        self._commit = max(self._snap_seq, min(stored.commit, self.last_seq))
+        self._persisted_commit = stored.commit
+        self._applied = self._snap_seq
+        self._dedup = self._dedup_from(snap)
+        self._configs: list[tuple[int, Config]] = [(e.seq, e.data) for e in log if e.kind == "config"]
+        self._pending_rids: dict[str, int] = {
+            e.rid: e.seq for e in log if e.rid is not None and e.kind == "op"
+        }
+        self._view: MetaView | None = None
+        self._leader: str | None = None
+        self._lead: _Leadership | None = None
+        self._follower_reads: list[_Read] = []
+        self._timer_at: int | None = None
+        self._config_cache: Config | None = None
+        self._now = 0
+        self._out: list[Effect] = []
+
+    # ------------------------------------------------------------------
+    # Read-only state
+
+    @property
+    def node_id(self) -> str:
+        return self._id
+
+    @property
+    def group(self) -> int:
+        return self._group
+
+    @property
+    def term(self) -> int:
+        return self._term
+
+    @property
+    def leader(self) -> str | None:
+        return self._leader
+
+    @property
+    def role(self) -> str:
+        lead = self._lead
+        if lead is not None:
+            return "leader" if lead.phase == _READY else "candidate"
+        if self._id in self._config().learners:
+            return "learner"
+        return "follower"
+
+    @property
+    def ready(self) -> bool:
+        return self._lead is not None and self._lead.phase == _READY
+
+    @property
+    def last_seq(self) -> int:
+        return self._snap_seq + len(self._log)
+
+    @property
+    def last_term(self) -> int:
+        return self._log[-1].term if self._log else self._snap_term
+
+    @property
+    def commit_seq(self) -> int:
+        return self._commit
+
+    @property
+    def applied_seq(self) -> int:
+        return self._applied
+
+    def accepts_snapshot(self, seq: int) -> bool:
+        """Would `SnapshotInstalled` at `seq` be taken now?  The shell asks
+        before it restores the plugin, so that a snapshot the core would
+        ignore never replaces applied state."""
+        lead = self._lead
+        return seq > self._applied and (lead is None or lead.phase == _FETCH)
+
+    @property
+    def snapshot_seq(self) -> int:
+        return self._snap_seq
+
+    @property
+    def voters(self) -> tuple[str, ...]:
+        return self._config().voters
+
+    @property
+    def learners(self) -> tuple[str, ...]:
+        return self._config().learners
+
+    @property
+    def transfer_target(self) -> str | None:
+        lead = self._lead
+        return lead.transfer.target if lead is not None and lead.transfer is not None else None
+
+    def term_at(self, seq: int) -> int | None:
+        """Term of the entry at `seq`; None when it is compacted or absent."""
+        if seq == self._snap_seq:
+            return self._snap_term
+        i = seq - self._snap_seq - 1
+        if i < 0 or i >= len(self._log):
+            return None
+        return self._log[i].term
+
+    def entries(self, lo: int, hi: int) -> list[Entry]:
+        """Entries with lo <= seq <= hi that are still in the log."""
+        base = self._snap_seq + 1
+        return self._log[max(lo - base, 0) : max(hi - base + 1, 0)]
+
+    # ------------------------------------------------------------------
+    # The single entry point
+
+    def handle(self, msg: Message | Event, now: int) -> list[Effect]:
+        name = _HANDLERS.get(type(msg))
+        if name is None:
+            raise TypeError(f"replica cannot handle {type(msg).__name__}")
+        if isinstance(msg, Message) and (msg.dst != self._id or msg.group != self._group):
+            return []
+        self._now = now
+        self._out = []
+        getattr(self, name)(msg)
+        self._settle()
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------
+    # Decisions a test may override (tests/tier1/test_replica_planted_bugs.py)
+
+    def _counts_for_commit(self, seq: int) -> bool:
+        """May replica counting commit `seq`?  Only for entries of our own
+        term: an older entry held by a majority can still be overwritten by
+        a leader that never saw it (Raft Figure 8)."""
+        return self.term_at(seq) == self._term
+
+    def _begin_round_required(self) -> bool:
+        """Must a new leader collect promises and adopt the best log first?
+        Always: meta may have named a stale replica."""
+        return True
+
+    def _ack_durable(self, msg: Message) -> None:
+        """Send an answer that vouches for state persisted in this call.  It
+        must follow the Persist (the shell performs effects in order)."""
+        self._send(msg)
+
+    # ------------------------------------------------------------------
+    # Effect helpers
+
+    def _send(self, msg: Message) -> None:
+        self._out.append(Send(msg))
+
+    def _persist(
+        self,
+        *,
+        term: int | None = None,
+        entries: Sequence[Entry] = (),
+        truncate_after: int | None = None,
+        snapshot: SnapshotMeta | None = None,
+    ) -> None:
+        out = self._out
+        last = out[-1] if out else None
+        # Folding into the previous Persist keeps one call one fsync; it is
+        # allowed when the combined Persist, applied in its fixed order
+        # (term, snapshot, truncate, entries), equals the two in sequence.
+        if type(last) is Persist:
+            if truncate_after is None and snapshot is None:
+                if term is not None:
+                    last.term = term
+                if entries:
+                    last.entries = last.entries + tuple(entries)
+                return
+            if not last.entries and last.truncate_after is None and last.snapshot is None:
+                if term is not None:
+                    last.term = term
+                last.snapshot, last.truncate_after, last.entries = snapshot, truncate_after, tuple(entries)
+                return
+        out.append(Persist(term=term, entries=tuple(entries), truncate_after=truncate_after, snapshot=snapshot))
+
+    def _reply_error(self, req: Any, code: str, leader: str | None) -> None:
+        self._out.append(Reply(req, False, 0, self._term, code, leader))
+
+    # ------------------------------------------------------------------
+    # Log primitives
+
+    def _log_append(self, entries: Sequence[Entry]) -> None:
+        if entries and entries[0].seq != self.last_seq + 1:
+            raise AssertionError(f"{self._id}: appending seq {entries[0].seq} after {self.last_seq}")
+        self._log.extend(entries)
+        for e in entries:
+            if e.kind == "config":
+                self._configs.append((e.seq, e.data))
+                self._config_cache = None
+            elif e.rid is not None:
+                self._pending_rids[e.rid] = e.seq
+
+    def _drop_after(self, seq: int) -> None:
+        """Drop the suffix after `seq`.  A committed entry is never dropped:
+        asked to, we have a bug (or a corrupted peer), and stopping beats
+        diverging (LESSONS: Vitess refuses to paper over split histories)."""
+        if seq < self._commit:
+            raise AssertionError(
+                f"{self._id}: asked to truncate after {seq} but {self._commit} is committed"
+            )
+        del self._log[seq - self._snap_seq :]
+        if self._configs and self._configs[-1][0] > seq:
+            self._configs = [c for c in self._configs if c[0] <= seq]
+            self._config_cache = None
+        if any(s > seq for s in self._pending_rids.values()):
+            self._pending_rids = {r: s for r, s in self._pending_rids.items() if s <= seq}
+
+    def _merge(self, entries: Sequence[Entry]) -> None:
+        """Log matching (Raft §5.3): keep what agrees, cut at the first
+        entry that disagrees by (term, seq), append the rest; persist."""
+        last = self.last_seq
+        cut: int | None = None
+        i, n = 0, len(entries)
+        while i < n:
+            e = entries[i]
+            if e.seq > last:
+                break
+            if e.seq > self._snap_seq and self.term_at(e.seq) != e.term:
+                cut = e.seq - 1
+                self._drop_after(cut)
+                break
+            i += 1
+        new = entries[i:]
+        if cut is None and not new:
+            return
+        self._log_append(new)
+        self._persist(truncate_after=cut, entries=new)
+
+    def _find_conflict_by_term(self, seq: int, term: int) -> int:
+        """The largest s <= seq whose entry has a term <= `term`: nothing
+        after it can match a log whose entry at `seq` has term `term`, so a
+        whole term is skipped per round trip instead of one entry."""
+        s = min(seq, self.last_seq)
+        base = self._snap_seq + 1
+        log = self._log
+        while s > self._snap_seq and log[s - base].term > term:
+            s -= 1
+        return max(s, self._snap_seq)
+
+    def _mismatch(self, prev_seq: int, prev_term: int) -> tuple[int, int] | None:
+        """None when our log has (prev_term, prev_seq); else the (seq, term)
+        hint the sender should back up to."""
+        if prev_seq > self.last_seq:
+            return self.last_seq, self.last_term
+        if prev_seq < self._snap_seq:
+            # Compacted entries are committed, hence in every leader's log
+            # (callers that may hold uncommitted entries there, i.e. Fetch,
+            # never get here).  At the snapshot point itself the term is
+            # known and is compared like any other.
+            return None
+        if self.term_at(prev_seq) == prev_term:
+            return None
+        s = self._find_conflict_by_term(prev_seq, prev_term)
+        return s, self.term_at(s) or 0
+
+    def _next_ts(self) -> int:
+        # Non-decreasing along the log, so dedup expiry is a prefix cut.
+        last = self._log[-1].ts if self._log else self._dedup.newest_ts
+        return max(self._now, last)
+
+    def _config(self) -> Config:
+        """The configuration in force: the newest config entry in the log (or
+        the snapshot), else the bootstrap one meta assigned."""
+        cfg = self._config_cache
+        if cfg is None:
+            lc = self._log_config()
+            if lc is not None:
+                cfg = lc[1]
+            elif self._view is not None:
+                cfg = Config(tuple(self._view.voters), tuple(self._view.learners))
+            else:
+                cfg = Config(())
+            self._config_cache = cfg
+        return cfg
+
+    def _log_config(self) -> tuple[int, Config] | None:
+        if self._configs:
+            return self._configs[-1]
+        if self._snap is not None and self._snap.config is not None:
+            return self._snap.config_seq, self._snap.config
+        return None
+
+    def _dedup_from(self, snap: SnapshotMeta | None) -> DedupTable:
+        if snap is None:
+            return DedupTable(self._cfg.dedup_window_ms, self._cfg.dedup_max)
+        return DedupTable(self._cfg.dedup_window_ms, self._cfg.dedup_max, snap.dedup, snap.ts)
+
+    # ------------------------------------------------------------------
+    # Terms
+
+    def _adopt_term(self, term: int, leader: str | None) -> None:
+        """Move to a newer term as a follower.  The promise to ignore older
+        terms is persisted before anything is answered at `term`."""
+        self._step_down(leader)
+        self._term = term
+        self._leader = leader
+        self._persist(term=term)
+
+    def _accept_term(self, msg: Message) -> bool:
+        """Gate for requests from a (would-be) leader: answer StaleTerm and
+        return False when the sender is behind us."""
+        if msg.term < self._term:
+            self._send(StaleTerm(src=self._id, dst=msg.src, group=self._group, term=self._term))
+            return False
+        if msg.term > self._term:
+            self._adopt_term(msg.term, msg.src)
+        elif self._leader is None and self._lead is None:
+            self._leader = msg.src
+        return True
+
+    def _step_down(self, new_leader: str | None) -> None:
+        """Leave leadership: every pending write has an unknown outcome now."""
+        lead = self._lead
+        if lead is None:
+            return
+        self._lead = None
+        for w in lead.waiter_deadlines:
+            if not w.done:
+                w.done = True
+                self._reply_error(w.req, QUORUM_TIMEOUT, new_leader)
+        for r in (*lead.round_reads, *lead.next_reads, *lead.confirmed_reads):
+            self._reply_error(r.req, NOT_LEADER, new_leader)
+
+    def _on_stale_term(self, m: StaleTerm) -> None:
+        if m.term > self._term:
+            self._adopt_term(m.term, None)
+            self._out.append(RefreshMeta())
+
+    # ------------------------------------------------------------------
+    # Meta's view and the start of a term
+
+    def _on_meta_view(self, v: MetaView) -> None:
+        cur = self._view
+        if cur is not None and (v.term, v.conf_ver) < (cur.term, cur.conf_ver):
+            return  # an older view delivered late
+        self._view = v
+        if self._log_config() is None:
+            self._config_cache = None
+        if v.term > self._term:
+            if v.leader == self._id and self._id in v.voters:
+                self._start_term(v)
+            else:
+                # Adopting meta's term fences the old leader sooner.
+                self._adopt_term(v.term, v.leader if v.leader != self._id else None)
+        elif v.term == self._term and self._leader is None and v.leader != self._id:
+            self._leader = v.leader
+
+    def _start_term(self, view: MetaView) -> None:
+        self._adopt_term(view.term, self._id)
+        quorums = [tuple(view.voters)]
+        lc = self._log_config()
+        if lc is not None and lc[0] > view.conf_ver and set(lc[1].voters) != set(view.voters):
+            # Our log holds a config meta has not recorded yet; it may
+            # already be committed, so its voters must be asked too.
+            quorums.append(lc[1].voters)
+        ask = tuple(dict.fromkeys(v for q in quorums for v in q if v != self._id))
+        lead = _Leadership(view=view, quorums=tuple(quorums), begin_to=ask)
+        lead.promised[self._id] = (self.last_term, self.last_seq)
+        self._lead = lead
+        if not self._begin_round_required():
+            self._start_replicating()
+            return
+        self._send_begins()
+        self._maybe_finish_begin()
+
+    def _send_begins(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        for peer in lead.begin_to:
+            if peer not in lead.promised:
+                self._send(Begin(src=self._id, dst=peer, group=self._group, term=self._term))
+        lead.retry_at = self._now + self._cfg.retry_ms
+
+    def _on_begin(self, m: Begin) -> None:
+        if self._lead is not None and m.term == self._term:
+            return  # a term has one leader; this cannot be for us
+        if not self._accept_term(m):
+            return
+        self._ack_durable(
+            BeginOk(
+                src=self._id,
+                dst=m.src,
+                group=self._group,
+                term=self._term,
+                last_term=self.last_term,
+                last_seq=self.last_seq,
+                commit=self._commit,
+            )
+        )
+
+    def _on_begin_ok(self, m: BeginOk) -> None:
+        lead = self._lead
+        if lead is None or m.term != self._term or lead.phase != _BEGIN:
+            return
+        lead.promised[m.src] = (m.last_term, m.last_seq)
+        self._maybe_finish_begin()
+
+    @staticmethod
+    def _is_majority(voters: Sequence[str], have: set[str] | dict[str, Any]) -> bool:
+        return 2 * sum(1 for v in voters if v in have) > len(voters)
+
+    def _maybe_finish_begin(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        if not all(self._is_majority(q, lead.promised) for q in lead.quorums):
+            return
+        # Ties prefer ourselves: an equal (term, seq) is an identical log.
+        best, (bt, bs) = max(lead.promised.items(), key=lambda kv: (kv[1], kv[0] == self._id))
+        if (bt, bs) == (self.last_term, self.last_seq):
+            self._start_replicating()
+            return
+        lead.phase = _FETCH
+        lead.fetch_src = best
+        lead.fetch_goal = (bt, bs)
+        lead.fetch_prev = self._find_conflict_by_term(bs, bt)
+        self._send_fetch()
+
+    # ------------------------------------------------------------------
+    # Adopting the best log (phase "fetch")
+
+    def _send_fetch(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        prev = lead.fetch_prev
+        self._send(
+            Fetch(
+                src=self._id,
+                dst=lead.fetch_src,
+                group=self._group,
+                term=self._term,
+                prev_term=self.term_at(prev) or 0,
+                prev_seq=prev,
+            )
+        )
+        lead.retry_at = self._now + self._cfg.retry_ms
+
+    def _on_fetch(self, m: Fetch) -> None:
+        if self._lead is not None and m.term == self._term:
+            return
+        if not self._accept_term(m):
+            return
+        env = dict(src=self._id, dst=m.src, group=self._group, term=self._term)
+        if m.prev_seq < self._snap_seq:
+            # The entries after prev_seq are gone here: send the snapshot.
+            self._send(SnapshotNeeded(**env, snap_term=self._snap_term, snap_seq=self._snap_seq))
+            return
+        miss = self._mismatch(m.prev_seq, m.prev_term)
+        if miss is not None:
+            self._send(FetchReply(**env, ok=False, prev_seq=m.prev_seq, hint_seq=miss[0], hint_term=miss[1]))
+            return
+        batch = self.entries(m.prev_seq + 1, m.prev_seq + self._cfg.max_batch_entries)
+        self._send(FetchReply(**env, ok=True, prev_seq=m.prev_seq, entries=tuple(batch)))
+
+    def _on_fetch_reply(self, m: FetchReply) -> None:
+        lead = self._lead
+        if (
+            lead is None
+            or m.term != self._term
+            or lead.phase != _FETCH
+            or m.src != lead.fetch_src
+            or m.prev_seq != lead.fetch_prev
+        ):
+            return
+        if m.ok:
+            self._merge(m.entries)
+            lead.fetch_prev = m.prev_seq + len(m.entries)
+        else:
+            back = min(self._find_conflict_by_term(m.hint_seq, m.hint_term), m.prev_seq - 1)
+            if back < self._commit:
+                raise AssertionError(
+                    f"{self._id}: fetch source {m.src} disagrees with committed entry {back + 1}"
+                )
+            lead.fetch_prev = back
+        self._continue_fetch()
+
+    def _continue_fetch(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        goal_term, goal_seq = lead.fetch_goal
+        if lead.fetch_prev < goal_seq:
+            self._send_fetch()
+            return
+        if (self.last_term, self.last_seq) != (goal_term, goal_seq):
+            raise AssertionError(
+                f"{self._id}: adopted log ends at {(self.last_term, self.last_seq)}, "
+                f"expected {(goal_term, goal_seq)}"
+            )
+        self._start_replicating()
+
+    # ------------------------------------------------------------------
+    # Replication (leader side)
+
+    def _start_replicating(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        lead.phase = _STARTING
+        e = Entry(self._term, self.last_seq + 1, "term_start", None, None, self._next_ts())
+        self._log_append([e])
+        self._persist(entries=[e])
+        lead.term_start_seq = e.seq
+        self._sync_progress()
+        lead.next_heartbeat = self._now + self._cfg.heartbeat_ms
+        self._replicate_all()
+
+    def _sync_progress(self) -> None:
+        """Track exactly the members of the configuration in force."""
+        lead = self._lead
+        assert lead is not None
+        cfg = self._config()
+        members = [p for p in (*cfg.voters, *cfg.learners) if p != self._id]
+        for peer in members:
+            if peer not in lead.progress:
+                lead.progress[peer] = self._initial_progress(peer)
+        for peer in [p for p in lead.progress if p not in members]:
+            del lead.progress[peer]
+        if lead.transfer is not None and lead.transfer.target not in cfg.voters:
+            lead.transfer = None
+
+    def _initial_progress(self, peer: str) -> _Progress:
+        lead = self._lead
+        assert lead is not None
+        # Start with the entry just appended (the term start or the config
+        # entry that added the peer), so there is always something to send.
+        nxt = self.last_seq
+        promised = lead.promised.get(peer)
+        if promised is not None:
+            # Its BeginOk told us where its log ends; a likely match point.
+            t, s = promised
+            if s < nxt and self.term_at(s) == t:
+                nxt = s + 1
+        return _Progress(next=nxt)
+
+    def _replicate_all(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        for peer in lead.progress:
+            self._replicate(peer)
+
+    def _replicate(self, peer: str) -> None:
+        """Send the next batch unless one is already in flight: one Append
+        per follower at a time, so entries that arrive meanwhile travel
+        together in the next one (natural batching)."""
+        lead = self._lead
+        assert lead is not None
+        pr = lead.progress[peer]
+        if pr.inflight is not None or pr.next > self.last_seq:
+            return
+        if pr.next <= self._snap_seq:
+            self._send(
+                SnapshotNeeded(
+                    src=self._id,
+                    dst=peer,
+                    group=self._group,
+                    term=self._term,
+                    snap_term=self._snap_term,
+                    snap_seq=self._snap_seq,
+                )
+            )
+            pr.inflight = self._snap_seq
+            pr.inflight_prev = -1
+            pr.retry_at = self._now + self._cfg.snapshot_retry_ms
+            return
+        prev = pr.next - 1
+        batch = self.entries(pr.next, prev + self._cfg.max_batch_entries)
+        self._send(
+            Append(
+                src=self._id,
+                dst=peer,
+                group=self._group,
+                term=self._term,
+                prev_term=self.term_at(prev) or 0,
+                prev_seq=prev,
+                entries=tuple(batch),
+                commit=self._commit,
+            )
+        )
+        pr.inflight = prev + len(batch)
+        pr.inflight_prev = prev
+        pr.retry_at = self._now + self._cfg.retry_ms
+
+    def _on_append_reply(self, m: AppendReply) -> None:
+        lead = self._lead
+        if lead is None or m.term != self._term:
+            return
+        pr = lead.progress.get(m.src)
+        if pr is None:
+            return
+        if m.ok:
+            if m.match > pr.match:
+                pr.match = m.match
+            if pr.next <= pr.match:
+                pr.next = pr.match + 1
+            if pr.inflight is not None and m.match >= pr.inflight:
+                pr.inflight = None
+        elif pr.inflight is not None and m.prev_seq == pr.inflight_prev:
+            pr.inflight = None
+            back = self._find_conflict_by_term(m.hint_seq, m.hint_term)
+            if m.prev_seq <= pr.match:
+                # It lost entries it had acknowledged durably: its disk
+                # broke the contract.  Forget what we believed so it can be
+                # repaired instead of being stuck rejecting forever.
+                pr.match = min(back, m.hint_seq)
+            pr.next = max(pr.match + 1, min(m.prev_seq, back + 1))
+        self._replicate(m.src)
+
+    def _advance_commit(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        voters = self._config().voters
+        if not voters:
+            return
+        progress = lead.progress
+        matches = sorted(
+            (self.last_seq if v == self._id else (progress[v].match if v in progress else 0) for v in voters),
+            reverse=True,
+        )
+        n = matches[len(voters) // 2]
+        if n > self._commit and self._counts_for_commit(n):
+            self._commit = n
+
+    def _all_voters_have(self, seq: int) -> bool:
+        lead = self._lead
+        assert lead is not None
+        for v in self._config().voters:
+            if v != self._id and (v not in lead.progress or lead.progress[v].match < seq):
+                return False
+        return True
+
+    # ------------------------------------------------------------------
+    # Replication (follower side)
+
+    def _on_append(self, m: Append) -> None:
+        if self._lead is not None and m.term == self._term:
+            return
+        if not self._accept_term(m):
+            return
+        env = dict(src=self._id, dst=m.src, group=self._group, term=self._term)
+        miss = self._mismatch(m.prev_seq, m.prev_term)
+        if miss is not None:
+            self._send(AppendReply(**env, ok=False, prev_seq=m.prev_seq, hint_seq=miss[0], hint_term=miss[1]))
+            return
+        self._merge(m.entries)
+        # Only what this Append vouched for is known to equal the leader's
+        # log; a stale suffix beyond it may still be cut later.
+        match = max(m.prev_seq + len(m.entries), self._snap_seq)
+        self._learn_commit(min(m.commit, match))
+        self._ack_durable(AppendReply(**env, ok=True, prev_seq=m.prev_seq, match=match))
+
+    def _learn_commit(self, seq: int) -> None:
+        if seq > self._commit:
+            self._commit = seq
+
+    def _on_heartbeat(self, m: Heartbeat) -> None:
+        if self._lead is not None and m.term == self._term:
+            return
+        if not self._accept_term(m):
+            return
+        # The leader sends min(commit, our match), which our log holds.
+        self._learn_commit(min(m.commit, self.last_seq))
+        self._send(HeartbeatReply(src=self._id, dst=m.src, group=self._group, term=self._term, round=m.round))
+
+    def _on_heartbeat_reply(self, m: HeartbeatReply) -> None:
+        lead = self._lead
+        if lead is None or m.term != self._term:
+            return
+        if lead.round_inflight and m.round >= lead.read_round and m.src in self._config().voters:
+            lead.round_acks.add(m.src)
+            self._check_read_round()
+        if m.src in lead.progress:
+            self._replicate(m.src)
+
+    def _send_heartbeats(self, peers: Sequence[str]) -> None:
+        lead = self._lead
+        assert lead is not None
+        for peer in peers:
+            pr = lead.progress.get(peer)
+            commit = min(self._commit, pr.match) if pr is not None else 0
+            self._send(
+                Heartbeat(
+                    src=self._id, dst=peer, group=self._group, term=self._term, commit=commit, round=lead.read_round
+                )
+            )
+
+    # ------------------------------------------------------------------
+    # Snapshots
+
+    def _snapshot_meta_at(self, seq: int) -> SnapshotMeta:
+        if seq == self._applied:
+            dedup = self._dedup
+        else:
+            # The table as of `seq`: replay from the previous snapshot, so
+            # every replica compacting at `seq` derives the same one.
+            dedup = self._dedup_from(self._snap)
+            for e in self.entries(self._snap_seq + 1, seq):
+                dedup.apply(e)
+        cfg = None
+        cfg_seq = 0
+        for s, c in self._configs:
+            if s <= seq:
+                cfg_seq, cfg = s, c
+        if cfg is None and self._snap is not None:
+            cfg, cfg_seq = self._snap.config, self._snap.config_seq
+        return SnapshotMeta(
+            term=self.term_at(seq) or 0,
+            seq=seq,
+            dedup=dedup.export(),
+            config=cfg,
+            config_seq=cfg_seq,
+            ts=dedup.newest_ts,
+        )
+
+    def _on_compact(self, c: Compact) -> None:
+        seq = c.seq
+        if seq <= self._snap_seq or seq > self._applied:
+            return
+        meta = self._snapshot_meta_at(seq)
+        del self._log[: seq - self._snap_seq]
+        self._snap, self._snap_seq, self._snap_term = meta, seq, meta.term
+        self._configs = [x for x in self._configs if x[0] > seq]
+        self._persist(snapshot=meta)
+
+    def _on_snapshot_needed(self, m: SnapshotNeeded) -> None:
+        lead = self._lead
+        if lead is not None and m.term == self._term:
+            # Our fetch source has compacted what we lack.
+            if lead.phase == _FETCH and m.src == lead.fetch_src:
+                self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+                lead.retry_at = self._now + self._cfg.snapshot_retry_ms
+            return
+        if not self._accept_term(m):
+            return
+        if m.snap_seq <= self._commit:
+            # We are already past it (a late or repeated request).
+            self._send(
+                AppendReply(
+                    src=self._id,
+                    dst=m.src,
+                    group=self._group,
+                    term=self._term,
+                    ok=True,
+                    prev_seq=m.snap_seq,
+                    match=self._commit,
+                )
+            )
+            return
+        self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+
+    def _on_snapshot_installed(self, ev: SnapshotInstalled) -> None:
+        meta = ev.meta
+        lead = self._lead
+        if meta.seq <= self._applied or (lead is not None and lead.phase != _FETCH):
+            return
+        self._install_snapshot(meta)
+        if lead is not None:
+            # The snapshot point is the one place known to agree with the
+            # source (it is committed); whatever we were probing is moot.
+            lead.fetch_prev = meta.seq
+            self._continue_fetch()
+        elif self._leader is not None:
+            self._ack_durable(
+                AppendReply(
+                    src=self._id,
+                    dst=self._leader,
+                    group=self._group,
+                    term=self._term,
+                    ok=True,
+                    prev_seq=meta.seq,
+                    match=meta.seq,
+                )
+            )
+
+    def _install_snapshot(self, meta: SnapshotMeta) -> None:
+        """Replace state up to meta.seq with the (committed) snapshot; keep
+        the suffix after it only if it continues the snapshot's history."""
+        keep = self.term_at(meta.seq) == meta.term
+        cut: int | None = None
+        if keep:
+            del self._log[: meta.seq - self._snap_seq]
+            self._configs = [x for x in self._configs if x[0] > meta.seq]
+            self._pending_rids = {r: s for r, s in self._pending_rids.items() if s > meta.seq}
+        else:
+            if self._commit >= meta.seq:
+                raise AssertionError(f"{self._id}: snapshot {meta.seq} contradicts committed entries")
+            self._log = []
+            self._configs = []
+            self._pending_rids = {}
+            cut = meta.seq
+        self._config_cache = None
+        self._snap, self._snap_seq, self._snap_term = meta, meta.seq, meta.term
+        self._commit = max(self._commit, meta.seq)
+        self._applied = meta.seq
+        self._dedup = self._dedup_from(meta)
+        self._persist(snapshot=meta, truncate_after=cut)
+
+    # ------------------------------------------------------------------
+    # Client writes
+
+    def _write_refusal(self) -> tuple[str, str | None] | None:
+        """Why this replica cannot append a client entry now, if it cannot."""
+        lead = self._lead
+        if lead is None:
+            return NOT_LEADER, self._leader
+        if lead.phase != _READY:
+            return NOT_LEADER, self._id  # leading soon: retry here
+        if lead.transfer is not None:
+            return NOT_LEADER, lead.transfer.target
+        return None
+
+    def _on_client_write(self, w: ClientWrite) -> None:
+        refusal = self._write_refusal()
+        if refusal is not None:
+            self._reply_error(w.req, *refusal)
+            return
+        if w.rid is not None:
+            done = self._dedup.lookup(w.rid)
+            if done is not None:
+                self._out.append(Reply(w.req, True, done, self._term, None, self._id))
+                return
+            pending = self._pending_rids.get(w.rid)
+            if pending is not None:
+                self._await(w.req, pending, w.ack)
+                return
+        e = Entry(self._term, self.last_seq + 1, "op", w.op, w.rid, self._next_ts())
+        self._leader_append(e)
+        self._await(w.req, e.seq, w.ack)
+
+    def _leader_append(self, e: Entry) -> None:
+        self._log_append([e])
+        self._persist(entries=[e])
+        if e.kind == "config":
+            self._sync_progress()
+        self._replicate_all()
+
+    def _await(self, req: Any, seq: int, ack: str) -> None:
+        lead = self._lead
+        assert lead is not None
+        if ack == "leader":
+            # Our copy is durable once the Persist above is performed.
+            self._out.append(Reply(req, True, seq, self._term, None, self._id))
+            return
+        w = _WriteWaiter(req, seq, ack, self._now + self._cfg.quorum_timeout_ms)
+        if seq in lead.waiters:
+            lead.waiters[seq].append(w)
+        else:
+            lead.waiters[seq] = [w]
+            heapq.heappush(lead.waiter_seqs, seq)
+        lead.waiter_deadlines.append(w)
+
+    def _complete_writes(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        heap = lead.waiter_seqs
+        while heap and heap[0] <= self._commit:
+            seq = heapq.heappop(heap)
+            for w in lead.waiters.pop(seq, ()):
+                if w.done:
+                    continue
+                if w.ack == "all" and not self._all_voters_have(seq):
+                    lead.all_waiters.append(w)
+                else:
+                    self._finish_write(w)
+        if lead.all_waiters:
+            still = []
+            for w in lead.all_waiters:
+                if w.done:
+                    continue
+                if self._all_voters_have(w.seq):
+                    self._finish_write(w)
+                else:
+                    still.append(w)
+            lead.all_waiters = still
+
+    def _finish_write(self, w: _WriteWaiter) -> None:
+        w.done = True
+        self._out.append(Reply(w.req, True, w.seq, self._term, None, self._id))
+
+    def _expire_writes(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        q = lead.waiter_deadlines
+        while q and (q[0].done or q[0].deadline <= self._now):
+            w = q.popleft()
+            if not w.done:
+                w.done = True
+                self._reply_error(w.req, QUORUM_TIMEOUT, self._id)
+
+    # ------------------------------------------------------------------
+    # Reads
+
+    def _on_client_read(self, r: ClientRead) -> None:
+        deadline = r.deadline if r.deadline > 0 else self._now + self._cfg.quorum_timeout_ms
+        if r.consistency == "follower":
+            if self._applied >= r.min_seq:
+                self._out.append(ServeRead(r.req, self._applied))
+            else:
+                self._follower_reads.append(_Read(r.req, r.min_seq, deadline))
+            return
+        lead = self._lead
+        if lead is None or lead.phase != _READY:
+            self._reply_error(r.req, NOT_LEADER, self._leader if lead is None else self._id)
+            return
+        # Read index: everything committed when the read arrived.  Ready
+        # means our term-start entry committed, so that is everything any
+        # earlier leader acknowledged too.
+        read = _Read(r.req, max(self._commit, r.min_seq), deadline)
+        if lead.round_inflight:
+            lead.next_reads.append(read)
+        else:
+            lead.round_reads.append(read)
+            self._start_read_round()
+
+    def _start_read_round(self) -> None:
+        """One quorum confirmation for every read waiting at this moment."""
+        lead = self._lead
+        assert lead is not None
+        lead.read_round += 1
+        lead.round_inflight = True
+        lead.round_started = self._now
+        voters = self._config().voters
+        lead.round_acks = {self._id} if self._id in voters else set()
+        self._send_heartbeats([v for v in voters if v != self._id])
+        self._check_read_round()
+
+    def _check_read_round(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        if not self._is_majority(self._config().voters, lead.round_acks):
+            return
+        lead.round_inflight = False
+        lead.confirmed_reads.extend(lead.round_reads)
+        lead.round_reads = lead.next_reads
+        lead.next_reads = []
+        if lead.round_reads:
+            self._start_read_round()
+
+    def _serve_reads(self) -> None:
+        lead = self._lead
+        if lead is not None and lead.confirmed_reads:
+            still = []
+            for r in lead.confirmed_reads:
+                if self._applied >= r.at_seq:
+                    self._out.append(ServeRead(r.req, r.at_seq))
+                else:
+                    still.append(r)
+            lead.confirmed_reads = still
+        if self._follower_reads:
+            still = []
+            for r in self._follower_reads:
+                if self._applied >= r.at_seq:
+                    self._out.append(ServeRead(r.req, self._applied))
+                else:
+                    still.append(r)
+            self._follower_reads = still
+
+    def _expire_reads(self, reads: list[_Read]) -> list[_Read]:
+        now = self._now
+        still = []
+        for r in reads:
+            if r.deadline <= now:
+                self._reply_error(r.req, DEADLINE_EXCEEDED, self._leader)
+            else:
+                still.append(r)
+        return still
+
+    # ------------------------------------------------------------------
+    # Leadership transfer and membership
+
+    def _on_transfer_leader(self, t: TransferLeader) -> None:
+        lead = self._lead
+        if (
+            lead is None
+            or lead.phase != _READY
+            or lead.transfer is not None
+            or t.target == self._id
+            or t.target not in self._config().voters
+        ):
+            return
+        lead.transfer = _Transfer(t.target, self._now + self._cfg.transfer_timeout_ms)
+        self._replicate(t.target)
+
+    def _check_transfer(self) -> None:
+        lead = self._lead
+        assert lead is not None
+        tr = lead.transfer
+        if tr is None or tr.reported:
+            return
+        pr = lead.progress.get(tr.target)
+        if pr is not None and pr.match >= self.last_seq:
+            tr.reported = True
+            self._out.append(TransferReady(tr.target, self._term, self.last_seq))
+
+    def _on_change_membership(self, c: ChangeMembership) -> None:
+        refusal = self._write_refusal()
+        if refusal is not None:
+            self._reply_error(c.req, *refusal)
+            return
+        lc = self._log_config()
+        conf_seq = lc[0] if lc is not None else 0
+        view = self._view
+        if conf_seq > self._commit or view is None or view.conf_ver != conf_seq:
+            # The previous change is uncommitted or meta has not recorded it.
+            self._reply_error(c.req, BUSY, self._id)
+            return
+        new_cfg = self._changed_config(c)
+        if isinstance(new_cfg, str):
+            self._reply_error(c.req, new_cfg, self._id)
+            return
+        e = Entry(self._term, self.last_seq + 1, "config", new_cfg, None, self._next_ts())
+        self._leader_append(e)
+        self._await(c.req, e.seq, "quorum")
+
+    def _changed_config(self, c: ChangeMembership) -> Config | str:
+        """The configuration after the single change `c`, or an error code."""
+        cfg = self._config()
+        asked = [x for x in (c.add_learner, c.promote, c.remove) if x is not None]
+        if len(asked) != 1:
+            return BAD_REQUEST
+        voters, learners = cfg.voters, cfg.learners
+        if c.add_learner is not None:
+            if c.add_learner in voters or c.add_learner in learners:
+                return BAD_REQUEST
+            return Config(voters, (*learners, c.add_learner))
+        if c.promote is not None:
+            if c.promote not in learners:
+                return BAD_REQUEST
+            lead = self._lead
+            assert lead is not None
+            pr = lead.progress.get(c.promote)
+            if pr is None or self.last_seq - pr.match > self._cfg.promote_max_lag:
+                return LAGGING
+            return Config((*voters, c.promote), tuple(x for x in learners if x != c.promote))
+        gone = c.remove
+        if gone == self._id:
+            return BAD_REQUEST  # transfer leadership first
+        if gone in voters:
+            if len(voters) == 1:
+                return BAD_REQUEST
+            return Config(tuple(x for x in voters if x != gone), learners)
+        if gone in learners:
+            return Config(voters, tuple(x for x in learners if x != gone))
+        return BAD_REQUEST
+
+    # ------------------------------------------------------------------
+    # Time
+
+    def _on_tick(self, _: Tick) -> None:
+        self._timer_at = None  # the shell's timer has fired
+        lead = self._lead
+        now = self._now
+        if lead is not None:
+            if lead.phase == _BEGIN:
+                if now >= lead.retry_at:
+                    self._send_begins()
+            elif lead.phase == _FETCH:
+                if now >= lead.retry_at:
+                    self._send_fetch()
+            else:
+                self._tick_leader(lead)
+        if self._follower_reads:
+            self._follower_reads = self._expire_reads(self._follower_reads)
+
+    def _tick_leader(self, lead: _Leadership) -> None:
+        now = self._now
+        for peer, pr in lead.progress.items():
+            if pr.inflight is not None and now >= pr.retry_at:
+                pr.inflight = None  # presumed lost
+                self._replicate(peer)
+        if now >= lead.next_heartbeat:
+            self._send_heartbeats(list(lead.progress))
+            lead.next_heartbeat = now + self._cfg.heartbeat_ms
+        elif lead.round_inflight and now >= lead.round_started + self._cfg.retry_ms:
+            lead.round_started = now
+            self._send_heartbeats([v for v in self._config().voters if v not in lead.round_acks])
+        self._expire_writes()
+        for name in ("round_reads", "next_reads", "confirmed_reads"):
+            reads = getattr(lead, name)
+            if reads:
+                setattr(lead, name, self._expire_reads(reads))
+        if lead.transfer is not None and now >= lead.transfer.deadline:
+            lead.transfer = None  # meta did not act in time: admit writes again
+
+    def _next_wakeup(self) -> int | None:
+        times: list[int] = []
+        lead = self._lead
+        if lead is not None:
+            if lead.phase in (_BEGIN, _FETCH):
+                times.append(lead.retry_at)
+            else:
+                times.append(lead.next_heartbeat)
+                times.extend(pr.retry_at for pr in lead.progress.values() if pr.inflight is not None)
+                if lead.round_inflight:
+                    times.append(lead.round_started + self._cfg.retry_ms)
+                if lead.waiter_deadlines:
+                    times.append(lead.waiter_deadlines[0].deadline)
+                for reads in (lead.round_reads, lead.next_reads, lead.confirmed_reads):
+                    times.extend(r.deadline for r in reads)
+                if lead.transfer is not None:
+                    times.append(lead.transfer.deadline)
+        times.extend(r.deadline for r in self._follower_reads)
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------
+    # After every event
+
+    def _settle(self) -> None:
+        lead = self._lead
+        if lead is not None and lead.phase in (_STARTING, _READY):
+            self._advance_commit()
+            if lead.phase == _STARTING and self._commit >= lead.term_start_seq:
+                lead.phase = _READY
+                self._out.append(ReportReady(self._term))
+        self._apply_committed()
+        if lead is not None and lead.phase == _READY:
+            self._complete_writes()
+            self._check_transfer()
+        self._serve_reads()
+        self._record_commit()
+        at = self._next_wakeup()
+        if at is not None and at != self._timer_at:
+            self._timer_at = at
+            self._out.append(SetTimer(at))
+
+    def _apply_committed(self) -> None:
+        if self._commit <= self._applied:
+            return
+        base = self._snap_seq + 1
+        batch = tuple(self._log[self._applied + 1 - base : self._commit + 1 - base])
+        pending = self._pending_rids
+        for e in batch:
+            self._dedup.apply(e)
+            if e.rid is not None and pending.get(e.rid) == e.seq:
+                del pending[e.rid]
+        self._applied = self._commit
+        self._out.append(Apply(batch))
+
+    def _record_commit(self) -> None:
+        """Piggyback the commit index on this call's last Persist, if any;
+        it is only a restart hint, never worth an fsync of its own."""
+        if self._commit <= self._persisted_commit:
+            return
+        for eff in reversed(self._out):
+            if type(eff) is Persist:
+                eff.commit = self._commit
+                self._persisted_commit = self._commit
+                return

@@ -1,0 +1,344 @@
+"""The vocabulary of the replication core (worker/replica.py).
+
+Plain data only: log entries, what a restart reads back from disk, the
+messages replicas exchange, the events the I/O shell feeds in and the effects
+it must perform.  Everything is a slotted dataclass; everything except
+`Persist` is frozen.  Messages are keyword-only so that call sites stay
+readable despite the shared envelope fields.
+
+Every message carries the envelope `src, dst, group, term`: `term` is the
+sender's current term, which is what fences stale leaders.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+EntryKind: TypeAlias = Literal["op", "term_start", "config"]
+AckMode: TypeAlias = Literal["leader", "quorum", "all"]
+Consistency: TypeAlias = Literal["strong", "follower"]
+
+# Error codes of `Reply.error_code`.
+NOT_LEADER = "not_leader"  # not appended; safe to retry (see `leader` for a hint)
+QUORUM_TIMEOUT = "quorum_timeout"  # appended, outcome unknown: retry with the same rid
+DEADLINE_EXCEEDED = "deadline_exceeded"  # a read could not be served in time
+UNAVAILABLE = "unavailable"
+BUSY = "busy"  # a membership change is already in flight
+BAD_REQUEST = "bad_request"  # a membership change that makes no sense
+LAGGING = "lagging"  # promote refused: the learner has not caught up yet
+
+
+# --------------------------------------------------------------------------
+# Durable state
+
+
+@dataclass(slots=True, frozen=True)
+class Config:
+    """A group configuration: only voters count towards quorums."""
+
+    voters: tuple[str, ...]
+    learners: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class Entry:
+    """One log entry.  `data` is opaque for ops, a `Config` for config
+    entries and None for term starts.  `ts` is the leader's clock when it
+    appended the entry; it is what dedup expiry is computed from, so every
+    replica derives the same table."""
+
+    term: int
+    seq: int
+    kind: EntryKind
+    data: Any = None
+    rid: str | None = None
+    ts: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class SnapshotMeta:
+    """What the log before a snapshot point is replaced with.
+
+    `dedup` is the request-id table as of `seq` (rid, seq, ts in apply order),
+    `config`/`config_seq` the latest configuration at or before `seq` (None
+    when the group never had a config entry), `ts` the newest entry
+    timestamp applied at `seq`."""
+
+    term: int
+    seq: int
+    dedup: tuple[tuple[str, int, int], ...] = ()
+    config: Config | None = None
+    config_seq: int = 0
+    ts: int = 0
+
+
+@dataclass(slots=True)
+class StoredState:
+    """What a restart reads back from disk (empty for a new replica)."""
+
+    term: int = 0
+    entries: list[Entry] = field(default_factory=list)  # after the snapshot point
+    snapshot: SnapshotMeta | None = None
+    commit: int = 0  # may be stale; never ahead of the truth
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaConfig:
+    heartbeat_ms: int = 50
+    retry_ms: int = 200
+    quorum_timeout_ms: int = 2000
+    max_batch_entries: int = 1024
+    dedup_window_ms: int = 10 * 60 * 1000
+    dedup_max: int = 100_000
+    transfer_timeout_ms: int = 3000
+    # A snapshot download takes far longer than an Append round trip.
+    snapshot_retry_ms: int = 5000
+    # `promote` is refused while the learner is further behind than this.
+    promote_max_lag: int = 64
+
+
+# --------------------------------------------------------------------------
+# Messages between replicas of one group
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Message:
+    src: str
+    dst: str
+    group: int
+    term: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Begin(Message):
+    """Start of term `term`: promise to ignore older terms, tell me your log."""
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class BeginOk(Message):
+    last_term: int
+    last_seq: int
+    commit: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class StaleTerm(Message):
+    """Answer to any request from an older term; `term` is the newer one."""
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Fetch(Message):
+    """A starting leader asks for the entries after `prev_seq`, provided the
+    responder's entry at `prev_seq` has term `prev_term`."""
+
+    prev_term: int
+    prev_seq: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class FetchReply(Message):
+    ok: bool
+    prev_seq: int
+    entries: tuple[Entry, ...] = ()
+    hint_seq: int = 0  # on mismatch: back up to at most here (see Raft §5.3)
+    hint_term: int = 0
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Append(Message):
+    prev_term: int
+    prev_seq: int
+    entries: tuple[Entry, ...]
+    commit: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class AppendReply(Message):
+    ok: bool
+    prev_seq: int  # echoed, to recognise the answer to the in-flight Append
+    match: int = 0  # ok: my log equals the leader's up to here, durably
+    hint_seq: int = 0  # not ok: my log cannot match beyond hint_seq ...
+    hint_term: int = 0  # ... whose term is hint_term
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Heartbeat(Message):
+    commit: int
+    round: int  # read-index confirmation round (0 = none yet)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class HeartbeatReply(Message):
+    round: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class SnapshotNeeded(Message):
+    """The sender no longer has the entries the receiver needs: download the
+    sender's snapshot (at least `snap_seq`) and report `SnapshotInstalled`."""
+
+    snap_term: int
+    snap_seq: int
+
+
+# --------------------------------------------------------------------------
+# Events from the I/O shell
+
+
+@dataclass(slots=True, frozen=True)
+class MetaView:
+    """Meta's current assignment for the group.  `conf_ver` is the seq of
+    the config entry meta last recorded (0: the bootstrap configuration)."""
+
+    term: int
+    leader: str | None
+    voters: tuple[str, ...]
+    learners: tuple[str, ...] = ()
+    conf_ver: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class ClientWrite:
+    req: Any
+    op: Any
+    ack: AckMode = "quorum"
+    rid: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ClientRead:
+    req: Any
+    query: Any
+    consistency: Consistency = "strong"
+    min_seq: int = 0
+    deadline: int = 0  # absolute ms, same clock as `now`
+
+
+@dataclass(slots=True, frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class TransferLeader:
+    target: str
+
+
+@dataclass(slots=True, frozen=True)
+class ChangeMembership:
+    """Exactly one of add_learner / promote / remove."""
+
+    req: Any = None
+    add_learner: str | None = None
+    promote: str | None = None
+    remove: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Compact:
+    """The plugin has durably snapshotted its state at `seq`."""
+
+    seq: int
+
+
+@dataclass(slots=True, frozen=True)
+class SnapshotInstalled:
+    """The shell downloaded a snapshot and restored the plugin from it."""
+
+    meta: SnapshotMeta
+
+
+Event: TypeAlias = (
+    MetaView | ClientWrite | ClientRead | Tick | TransferLeader | ChangeMembership | Compact | SnapshotInstalled
+)
+
+
+# --------------------------------------------------------------------------
+# Effects for the I/O shell
+
+
+@dataclass(slots=True)
+class Persist:
+    """Make durable, in this order: install `snapshot` (drop entries up to
+    its seq), drop entries after `truncate_after`, append `entries`, record
+    `term` and `commit` (each None when unchanged)."""
+
+    term: int | None = None
+    entries: tuple[Entry, ...] = ()
+    truncate_after: int | None = None
+    commit: int | None = None
+    snapshot: SnapshotMeta | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Send:
+    msg: Message
+
+
+@dataclass(slots=True, frozen=True)
+class Apply:
+    """Committed entries, in order, each exactly once per incarnation.  All
+    kinds are included: the shell hands ops to the plugin and reports config
+    entries to meta."""
+
+    entries: tuple[Entry, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Reply:
+    req: Any
+    ok: bool
+    seq: int = 0
+    term: int = 0
+    error_code: str | None = None
+    leader: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ServeRead:
+    """Run the query now: applied_seq >= at_seq already holds."""
+
+    req: Any
+    at_seq: int
+
+
+@dataclass(slots=True, frozen=True)
+class ReportReady:
+    term: int
+
+
+@dataclass(slots=True, frozen=True)
+class TransferReady:
+    """Ask meta to CAS the leadership to `target` (expect_term=`term`)."""
+
+    target: str
+    term: int
+    last_seq: int
+
+
+@dataclass(slots=True, frozen=True)
+class RefreshMeta:
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class SetTimer:
+    """Deliver Tick() at or before `at`; replaces any earlier request."""
+
+    at: int
+
+
+@dataclass(slots=True, frozen=True)
+class DownloadSnapshot:
+    """Fetch `source`'s current snapshot (seq >= `seq`), restore the plugin
+    from it and deliver SnapshotInstalled.  The shell should drop duplicate
+    requests while one download is running."""
+
+    source: str
+    term: int
+    seq: int
+
+
+Effect: TypeAlias = (
+    Persist | Send | Apply | Reply | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer | DownloadSnapshot
+)
