@@ -7,6 +7,7 @@ same encoding as the request. Errors use the one error shape of
 """
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -64,6 +65,7 @@ class WorkerApi:
         r.add_get("/v1/status", self.status)
         r.add_post("/v1/raft", self.raft)
         r.add_post("/v1/groups/{gid}/write", self.write)
+        r.add_post("/v1/groups/{gid}/write_batch", self.write_batch)
         r.add_post("/v1/groups/{gid}/read", self.read)
         r.add_post("/v1/groups/{gid}/transfer", self.transfer)
         r.add_get("/v1/groups/{gid}/snapshot", self.snapshot_manifest)
@@ -114,6 +116,43 @@ class WorkerApi:
         except BadOp as exc:
             raise ApiError("bad_request", exc.message, shard=shell.gid) from None
         return self._outcome(request, shell, out)
+
+    async def write_batch(self, request: web.Request) -> web.Response:
+        """Many writes to one group in one round trip; one result per write, in order.
+
+        Each write is validated and committed on its own (a bad one does not
+        fail the others); they are submitted together, so the group's
+        pipeline carries them in as few appends as possible.
+        """
+        shell = self._group(request)
+        body = await _body(request)
+        writes = body.get("writes") if isinstance(body, dict) else None
+        if not isinstance(writes, list) or not writes:
+            raise ApiError("bad_request", "write_batch needs {\"writes\": [{\"op\": {...}, \"rid\"?}, ...]}")
+        ack = body.get("ack", self.node.default_ack)
+        if ack not in ("leader", "quorum", "all"):
+            raise ApiError("bad_request", "ack must be leader, quorum or all")
+        timeout = _timeout(body)
+
+        async def one(w: Any) -> dict[str, Any]:
+            if not isinstance(w, dict) or not isinstance(w.get("op"), dict):
+                return error_body("bad_request", "each write needs {\"op\": {...}}")
+            rid = w.get("rid")
+            if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 128):
+                return error_body("bad_request", "rid must be a non-empty string of at most 128 characters")
+            try:
+                out = await shell.write(w["op"], ack, rid, timeout)
+            except BadOp as exc:
+                return error_body("bad_request", exc.message, shard=shell.gid)
+            if out.ok:
+                return {"seq": out.seq, "term": out.term, "result": out.result}
+            code = out.error_code or "unavailable"
+            return error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
+                              term=out.term or shell.replica.term,
+                              leader=out.leader if out.leader is not None else shell.replica.leader)
+
+        results = await asyncio.gather(*(one(w) for w in writes))
+        return _answer(request, {"results": list(results)}, status=200)
 
     async def read(self, request: web.Request) -> web.Response:
         shell = self._group(request)
