@@ -16,7 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from meta.state import GroupRecord
+from meta.state import GroupRecord, OperatorRecord
+
+# A learner within this many entries of the leader's commit may be promoted
+# (the group core applies the same bound when it is asked).
+CATCH_UP_LAG = 64
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class GroupReport:
     last_seq: int = 0
     commit: int = 0
     applied: int = 0
+    # The newest membership in the replica's log and the seq of its config entry.
+    voters: tuple[str, ...] = ()
+    learners: tuple[str, ...] = ()
+    config_seq: int = 0
 
 
 @dataclass
@@ -56,7 +64,46 @@ class SetLeader:
     reason: str
 
 
-Action = SetLeader
+@dataclass(frozen=True)
+class RecordMembers:
+    """The leader's log committed a membership meta has not recorded yet."""
+
+    group: int
+    voters: tuple[str, ...]
+    learners: tuple[str, ...]
+    conf_ver: int
+    expect_conf_ver: int
+
+
+@dataclass(frozen=True)
+class ChangeMembers:
+    """Ask the group leader to append one membership change."""
+
+    group: int
+    leader: str
+    add_learner: str | None = None
+    promote: str | None = None
+    remove: str | None = None
+
+
+@dataclass(frozen=True)
+class StartTransfer:
+    group: int
+    leader: str
+    target: str
+
+
+@dataclass(frozen=True)
+class UpdateOperator:
+    group: int
+    kind: str
+    worker: str
+    step: str
+    message: str = ""
+    done: bool = False
+
+
+Action = SetLeader | RecordMembers | ChangeMembers | StartTransfer | UpdateOperator
 
 
 def is_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool:
@@ -84,11 +131,100 @@ def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_m
     return best[2] if best is not None else None
 
 
+def report_of(soft: SoftState, worker: str | None, group: int) -> GroupReport | None:
+    seen = soft.workers.get(worker) if worker is not None else None
+    return seen.groups.get(group) if seen is not None else None
+
+
+def record_members(groups: Sequence[GroupRecord], soft: SoftState) -> list[RecordMembers]:
+    """Memberships the current leaders have committed but meta has not recorded.
+
+    Learning them from heartbeats (rather than from the reply to the change)
+    means a change committed while meta was failing over is still recorded.
+    """
+    actions = []
+    for g in sorted(groups, key=lambda g: g.id):
+        rep = report_of(soft, g.leader, g.id)
+        if rep is None or rep.term != g.term or rep.role != "leader":
+            continue
+        if rep.config_seq > g.conf_ver and rep.config_seq <= rep.commit and rep.voters:
+            actions.append(RecordMembers(g.id, rep.voters, rep.learners, rep.config_seq, g.conf_ver))
+    return actions
+
+
+def best_transfer_target(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int,
+                         exclude: str | None = None) -> str | None:
+    """The live, most caught-up voter other than the leader (and `exclude`)."""
+    best: tuple[int, int, str] | None = None
+    for v in group.voters:
+        if v in (group.leader, exclude) or not is_live(soft, v, now_ms, lease_ms):
+            continue
+        rep = report_of(soft, v, group.id)
+        seq = rep.last_seq if rep is not None else -1
+        key = (seq, 1 if v == group.preferred_leader else 0, v)
+        if best is None or (key[0], key[1]) > (best[0], best[1]) or \
+                ((key[0], key[1]) == (best[0], best[1]) and v < best[2]):
+            best = key
+    return best[2] if best is not None else None
+
+
+def caught_up(group: GroupRecord, soft: SoftState, worker: str) -> tuple[bool, int, int]:
+    """(within CATCH_UP_LAG of the leader's commit?, worker's applied, leader's commit)."""
+    lead = report_of(soft, group.leader, group.id)
+    rep = report_of(soft, worker, group.id)
+    commit = lead.commit if lead is not None else 0
+    applied = rep.applied if rep is not None else 0
+    return lead is not None and rep is not None and applied >= commit - CATCH_UP_LAG, applied, commit
+
+
+def advance_operator(op: OperatorRecord, group: GroupRecord, soft: SoftState, now_ms: int,
+                     lease_ms: int) -> list[Action]:
+    """The next move of one staged operator, from what meta knows now."""
+
+    def update(step: str, message: str = "", done: bool = False) -> UpdateOperator:
+        return UpdateOperator(group.id, op.kind, op.worker, step, message, done)
+
+    w = op.worker
+    if not group.ready or group.leader is None:
+        return [update(op.step, "waiting for the group to have a ready leader")]
+    if op.kind == "add":
+        if op.step == "add_learner":
+            if w in group.learners or w in group.voters:
+                return [update("catch_up", f"{w} is a learner")]
+            return [ChangeMembers(group.id, group.leader, add_learner=w), update(op.step, f"adding {w} as a learner")]
+        if op.step == "catch_up":
+            if w in group.voters:
+                return [update("promote")]
+            ok, applied, commit = caught_up(group, soft, w)
+            if ok:
+                return [update("promote", f"{w} caught up: applied {applied} of {commit}")]
+            return [update("catch_up", f"{w} catching up: applied {applied} of {commit}")]
+        if op.step == "promote":
+            if w in group.voters:
+                return [update("done", f"{w} is a voter", done=True)]
+            return [ChangeMembers(group.id, group.leader, promote=w), update(op.step, f"promoting {w}")]
+    if op.kind == "remove":
+        if op.step == "transfer":
+            if group.leader != w:
+                return [update("remove", f"{w} does not lead; removing it")]
+            target = best_transfer_target(group, soft, now_ms, lease_ms, exclude=w)
+            if target is None:
+                return [update(op.step, "no live voter can take over the leadership")]
+            return [StartTransfer(group.id, w, target), update(op.step, f"moving the leadership to {target}")]
+        if op.step == "remove":
+            if group.leader == w:
+                return [update("transfer", f"{w} leads again; moving the leadership first")]
+            if w not in group.voters and w not in group.learners:
+                return [update("done", f"{w} removed", done=True)]
+            return [ChangeMembers(group.id, group.leader, remove=w), update(op.step, f"removing {w}")]
+    return [update(op.step, f"unknown operator step {op.step!r}")]
+
+
 def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int) -> list[Action]:
-    """Every action the controller wants now, in group order."""
+    """Every failover and membership-record action the controller wants now, in group order."""
+    actions: list[Action] = list(record_members(groups, soft))
     if now_ms - soft.leader_since_ms < lease_ms:
-        return []
-    actions: list[Action] = []
+        return actions
     for group in sorted(groups, key=lambda g: g.id):
         if group.leader is not None and is_live(soft, group.leader, now_ms, lease_ms):
             continue

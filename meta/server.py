@@ -14,11 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import Gauge
 
-from meta.controller import GroupReport, SetLeader, SoftState, decide
+from meta.controller import (CATCH_UP_LAG, ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState,
+                             StartTransfer, UpdateOperator, advance_operator, best_transfer_target, decide, is_live,
+                             report_of)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
@@ -32,6 +35,8 @@ from topology.plan import action_to_dict, plan, render_plan
 MAX_TOPOLOGY_BYTES = 1 << 20
 MAX_WATCH_S = 60.0
 COMMAND_TIMEOUT_S = 5.0
+TRANSFER_TIMEOUT_S = 10.0
+WORKER_CALL_TIMEOUT_S = 5.0
 CONTROLLER_PERIOD_S = 0.1
 DEFAULT_LEASE_MS = 1500
 
@@ -61,6 +66,9 @@ class MetaServer:
         self.g_revision = Gauge("shardgrid_meta_revision", "applied cluster revision", registry=reg)
         self.g_raft_term = Gauge("shardgrid_meta_raft_term", "PySyncObj term", registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        # Groups with a call to their leader in flight (one at a time per group).
+        self._busy_groups: set[int] = set()
 
     # -- app ------------------------------------------------------------------
 
@@ -76,8 +84,10 @@ class MetaServer:
         r.add_get("/v1/cluster", self.cluster)
         r.add_get("/v1/topology", self.get_topology)
         r.add_put("/v1/topology", self.put_topology)
-        r.add_post("/v1/groups/{gid}/transfer", self.not_yet)
-        r.add_post("/v1/groups/{gid}/replicas", self.not_yet)
+        r.add_post("/v1/groups/{gid}/transfer", self.transfer)
+        r.add_post("/v1/groups/{gid}/replicas", self.replicas)
+        r.add_delete("/v1/groups/{gid}/operator", self.cancel_operator)
+        r.add_get("/v1/operators", self.operators)
         r.add_post("/v1/groups/{gid}/ready", self.group_ready)
         r.add_post("/v1/groups/{gid}/leader", self.group_leader)
         r.add_post("/v1/workers/register", self.register_worker)
@@ -91,6 +101,8 @@ class MetaServer:
             self._controller_task = asyncio.create_task(self._controller_loop())
 
     async def _stop_controller(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
         if self._controller_task is not None:
             self._controller_task.cancel()
             try:
@@ -219,9 +231,136 @@ class MetaServer:
                 continue
             self._raise_failed(result)
 
-    async def not_yet(self, request: web.Request) -> web.Response:
-        raise ApiError("not_implemented", "leader transfer and replica moves need workers; "
-                       "they arrive with the worker and operator-verb milestones")
+    # -- operator verbs ---------------------------------------------------------------
+
+    def _require_leader(self) -> SoftState:
+        """Verbs that judge liveness run where the heartbeats are: the Raft leader."""
+        if not self.raft.is_leader() or self.soft is None:
+            leader = self.raft.leader()
+            raise ApiError("not_leader", "operator verbs run on the meta leader",
+                           leader=leader.id if leader else None, leader_http=leader.http if leader else None)
+        return self.soft
+
+    def _group_record(self, gid: int) -> GroupRecord:
+        g = self.raft.sm.groups.get(gid)
+        if g is None:
+            raise ApiError("not_found", f"no group {gid}")
+        return g
+
+    def _worker_addr(self, wid: str) -> str:
+        w = self.raft.sm.workers.get(wid)
+        if w is None:
+            raise ApiError("unavailable", f"worker {wid} is not registered")
+        return w.addr
+
+    async def _worker_post(self, wid: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        url = f"http://{self._worker_addr(wid)}{path}"
+        async with self._session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=WORKER_CALL_TIMEOUT_S)) as resp:
+            return resp.status, orjson.loads(await resp.read())
+
+    async def transfer(self, request: web.Request) -> web.Response:
+        """Graceful leadership transfer: returns once the new leader is ready."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        soft = self._require_leader()
+        gid = self._gid(request)
+        body = await _json_body(request)
+        g = self._group_record(gid)
+        now, lease = _now_ms(), self._lease_ms()
+        target = body.get("to")
+        if target is not None and not isinstance(target, str):
+            raise ApiError("bad_request", "\"to\" must be a worker id")
+        if not g.ready or g.leader is None:
+            raise ApiError("unavailable", f"group {gid} has no ready leader to hand over from", shard=gid)
+        if target is None:
+            target = best_transfer_target(g, soft, now, lease)
+            if target is None:
+                raise ApiError("unavailable", f"group {gid} has no live voter to take over", shard=gid)
+        if target == g.leader:
+            return json_response({"group": gid, "changed": False, "leader": g.leader, "term": g.term})
+        if target not in g.voters:
+            raise ApiError("bad_request", f"{target} is not a voter of group {gid} (voters: {', '.join(g.voters)})",
+                           shard=gid)
+        if not is_live(soft, target, now, lease) or report_of(soft, target, gid) is None:
+            raise ApiError("bad_request", f"{target} is not live (no recent heartbeat for group {gid})", shard=gid)
+        lead_rep, tgt_rep = report_of(soft, g.leader, gid), report_of(soft, target, gid)
+        if lead_rep is not None and tgt_rep is not None and tgt_rep.last_seq < lead_rep.commit - CATCH_UP_LAG:
+            raise ApiError("bad_request", f"{target} is not caught up: it has seq {tgt_rep.last_seq}, "
+                           f"the leader committed {lead_rep.commit}", shard=gid)
+        old_term, old_leader = g.term, g.leader
+        try:
+            status, answer = await self._worker_post(old_leader, f"/v1/groups/{gid}/transfer", {"to": target})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ApiError("unavailable", f"could not reach leader {old_leader}: {type(exc).__name__}") from None
+        if status >= 300:
+            raise ApiError("unavailable", f"leader {old_leader} refused the transfer: {answer}")
+        self.log.info("transfer_started", group=gid, old_leader=old_leader, target=target, term=old_term)
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            cur = self.raft.sm.groups[gid]
+            if cur.term > old_term and cur.ready:
+                return json_response({"group": gid, "changed": True, "old_term": old_term, "old_leader": old_leader,
+                                      "new_term": cur.term, "new_leader": cur.leader})
+            await self.raft.wait_changed(0.2)
+        cur = self.raft.sm.groups[gid]
+        raise ApiError("deadline_exceeded", f"group {gid} did not finish the transfer in {TRANSFER_TIMEOUT_S:.0f} s "
+                       f"(term {cur.term}, leader {cur.leader}, ready {cur.ready})", shard=gid)
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        """Start a staged operator: add a replica (learner, catch up, promote) or remove one."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        soft = self._require_leader()
+        gid = self._gid(request)
+        body = await _json_body(request)
+        g = self._group_record(gid)
+        add, remove = body.get("add"), body.get("remove")
+        if (add is None) == (remove is None) or not isinstance(add or remove, str):
+            raise ApiError("bad_request", "replicas needs exactly one of {\"add\": WORKER} or {\"remove\": WORKER}")
+        now, lease = _now_ms(), self._lease_ms()
+        members = set(g.voters) | set(g.learners)
+        if add is not None:
+            if add in members:
+                raise ApiError("bad_request", f"{add} already hosts group {gid}")
+            if add not in self.raft.sm.workers:
+                raise ApiError("bad_request", f"{add} is not a registered worker")
+            if not is_live(soft, add, now, lease) or soft.workers.get(add) is None:
+                raise ApiError("bad_request", f"{add} is not live (no recent heartbeat)")
+            cmd = {"op": "put_operator", "group": gid, "kind": "add", "worker": add, "step": "add_learner",
+                   "started_ms": int(time.time() * 1000)}
+        else:
+            if remove not in members:
+                raise ApiError("bad_request", f"{remove} does not host group {gid}")
+            remaining = [v for v in g.voters if v != remove]
+            live = [v for v in remaining if is_live(soft, v, now, lease)]
+            if not remaining or len(live) < len(remaining) // 2 + 1:
+                raise ApiError("bad_request", f"removing {remove} would leave group {gid} without a quorum of live "
+                               f"voters ({len(live)} live of {len(remaining)})")
+            cmd = {"op": "put_operator", "group": gid, "kind": "remove", "worker": remove,
+                   "step": "transfer" if g.leader == remove else "remove", "started_ms": int(time.time() * 1000)}
+        result = await self._submit(cmd)
+        self._raise_failed(result)
+        self.log.info("operator_started", **result["operator"])
+        return json_response(result["operator"], status=202)
+
+    async def cancel_operator(self, request: web.Request) -> web.Response:
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        gid = self._gid(request)
+        op = self.raft.sm.operators.get(gid)
+        if op is None:
+            raise ApiError("not_found", f"group {gid} has no operator in progress")
+        result = await self._submit({"op": "update_operator", "group": gid, "kind": op.kind, "worker": op.worker,
+                                     "step": op.step, "done": True})
+        self._raise_failed(result)
+        # Every step is a single committed membership change, so stopping
+        # between steps leaves the group consistent (perhaps with a learner).
+        self.log.info("operator_cancelled", group=gid, kind=op.kind, worker=op.worker, step=op.step)
+        return json_response({"cancelled": True, "group": gid, "kind": op.kind, "worker": op.worker,
+                              "step": op.step})
+
+    async def operators(self, request: web.Request) -> web.Response:
+        return json_response({"operators": self.raft.sm.view()["operators"]})
 
     @staticmethod
     def _gid(request: web.Request) -> int:
@@ -280,7 +419,10 @@ class MetaServer:
                 reports[int(gid)] = GroupReport(
                     term=int(rep.get("term", 0)), role=str(rep.get("role", "follower")),
                     last_term=int(rep.get("last_term", 0)), last_seq=int(rep.get("last_seq", 0)),
-                    commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)))
+                    commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)),
+                    voters=tuple(str(v) for v in rep.get("voters", ())),
+                    learners=tuple(str(v) for v in rep.get("learners", ())),
+                    config_seq=int(rep.get("config_seq", 0)))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None
@@ -306,14 +448,60 @@ class MetaServer:
 
     async def _controller_pass(self) -> None:
         assert self.soft is not None
-        groups: list[GroupRecord] = list(self.raft.sm.groups.values())
-        for action in decide(groups, self.soft, _now_ms(), self._lease_ms()):
-            if isinstance(action, SetLeader):
-                result = await self._submit({"op": "set_leader", "group": action.group, "leader": action.leader,
-                                             "expect_term": action.expect_term})
-                self.log.info("failover", group=action.group, new_leader=action.leader,
-                              expect_term=action.expect_term, reason=action.reason,
-                              ok=result.get("ok"), code=result.get("code"))
+        sm = self.raft.sm
+        now, lease = _now_ms(), self._lease_ms()
+        actions = decide(list(sm.groups.values()), self.soft, now, lease)
+        for op in list(sm.operators.values()):
+            group = sm.groups.get(op.group)
+            if group is not None and op.group not in self._busy_groups:
+                actions.extend(advance_operator(op, group, self.soft, now, lease))
+        for action in actions:
+            await self._execute(action)
+
+    async def _execute(self, action: Any) -> None:
+        if isinstance(action, SetLeader):
+            result = await self._submit({"op": "set_leader", "group": action.group, "leader": action.leader,
+                                         "expect_term": action.expect_term})
+            self.log.info("failover", group=action.group, new_leader=action.leader,
+                          expect_term=action.expect_term, reason=action.reason,
+                          ok=result.get("ok"), code=result.get("code"))
+        elif isinstance(action, RecordMembers):
+            result = await self._submit({"op": "set_members", "group": action.group, "voters": list(action.voters),
+                                         "learners": list(action.learners), "conf_ver": action.conf_ver,
+                                         "expect_conf_ver": action.expect_conf_ver})
+            self.log.info("members_recorded", group=action.group, voters=action.voters, learners=action.learners,
+                          conf_ver=action.conf_ver, ok=result.get("ok"))
+        elif isinstance(action, UpdateOperator):
+            current = self.raft.sm.operators.get(action.group)
+            if current is not None and not action.done and (current.step, current.message) == \
+                    (action.step, action.message):
+                return
+            result = await self._submit({"op": "update_operator", "group": action.group, "kind": action.kind,
+                                         "worker": action.worker, "step": action.step, "message": action.message,
+                                         "done": action.done})
+            self.log.info("operator_step", group=action.group, kind=action.kind, worker=action.worker,
+                          step=action.step, message=action.message, done=action.done, ok=result.get("ok"))
+        elif isinstance(action, (ChangeMembers, StartTransfer)):
+            self._busy_groups.add(action.group)
+            task = asyncio.create_task(self._call_leader(action))
+            task.add_done_callback(lambda _t, g=action.group: self._busy_groups.discard(g))
+
+    async def _call_leader(self, action: ChangeMembers | StartTransfer) -> None:
+        if isinstance(action, StartTransfer):
+            path, body = f"/v1/groups/{action.group}/transfer", {"to": action.target}
+        else:
+            path = f"/v1/groups/{action.group}/members"
+            body = {k: v for k, v in (("add_learner", action.add_learner), ("promote", action.promote),
+                                      ("remove", action.remove)) if v is not None}
+        try:
+            status, answer = await self._worker_post(action.leader, path, body)
+            self.log.info("operator_call", group=action.group, leader=action.leader, path=path, status=status,
+                          answer=answer)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ApiError) as exc:
+            self.log.warning("operator_call_failed", group=action.group, leader=action.leader, path=path,
+                             error=type(exc).__name__)
+        # Give the change time to show up in heartbeats before the next attempt.
+        await asyncio.sleep(0.3)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

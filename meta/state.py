@@ -37,7 +37,9 @@ class GroupRecord:
     leader: str | None
     voters: list[str]
     learners: list[str] = field(default_factory=list)
-    conf_ver: int = 1
+    # Seq of the group-log config entry these members came from (0: the
+    # bootstrap membership meta assigned at creation).
+    conf_ver: int = 0
     preferred_leader: str | None = None
     # The term whose leader finished the start-of-term protocol (0 = none yet).
     ready_term: int = 0
@@ -55,6 +57,23 @@ def fail(code: str, message: str, **fields: Any) -> dict[str, Any]:
     return {"ok": False, "code": code, "message": message, **fields}
 
 
+@dataclass
+class OperatorRecord:
+    """A staged placement change of one group (at most one per group).
+
+    kind: "add" (learner -> catch up -> promote) or "remove" (transfer the
+    leadership away if needed -> remove). `step` and `message` say where it
+    is and why it waits; the meta leader's executor advances it.
+    """
+
+    group: int
+    kind: str
+    worker: str
+    step: str
+    message: str = ""
+    started_ms: int = 0
+
+
 class MetaStateMachine:
     """Topology, workers and groups; `revision` bumps on every change."""
 
@@ -65,6 +84,7 @@ class MetaStateMachine:
         self.topology: dict[str, Any] | None = None
         self.workers: dict[str, WorkerRecord] = {}
         self.groups: dict[int, GroupRecord] = {}
+        self.operators: dict[int, OperatorRecord] = {}
 
     # -- dispatch -----------------------------------------------------------
 
@@ -169,18 +189,45 @@ class MetaStateMachine:
         return ok()
 
     def _cmd_set_members(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Record a membership the group's own log committed (conf_ver = its seq)."""
         g = self.groups.get(cmd["group"])
         if g is None:
             return fail("not_found", f"no group {cmd['group']}")
         if g.conf_ver != cmd["expect_conf_ver"]:
             return fail("conflict", f"group {g.id} is at conf_ver {g.conf_ver}, expected {cmd['expect_conf_ver']}",
                         conf_ver=g.conf_ver)
+        if cmd["conf_ver"] <= g.conf_ver:
+            return fail("conflict", f"conf_ver must grow past {g.conf_ver}", conf_ver=g.conf_ver)
         voters, learners = list(cmd["voters"]), list(cmd["learners"])
         if not voters or set(voters) & set(learners):
             return fail("bad_request", "voters must be non-empty and disjoint from learners")
         g.voters, g.learners = voters, learners
-        g.conf_ver += 1
+        g.conf_ver = cmd["conf_ver"]
         return ok(conf_ver=g.conf_ver)
+
+    def _cmd_put_operator(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        gid = cmd["group"]
+        if gid not in self.groups:
+            return fail("not_found", f"no group {gid}")
+        current = self.operators.get(gid)
+        if current is not None:
+            return fail("conflict", f"group {gid} already has an operator in progress: {current.kind} "
+                        f"{current.worker} at step {current.step}", operator=asdict(current))
+        self.operators[gid] = OperatorRecord(gid, cmd["kind"], cmd["worker"], cmd["step"], cmd.get("message", ""),
+                                             cmd.get("started_ms", 0))
+        return ok(operator=asdict(self.operators[gid]))
+
+    def _cmd_update_operator(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = self.operators.get(cmd["group"])
+        if op is None or op.kind != cmd["kind"] or op.worker != cmd["worker"]:
+            return fail("conflict", "that operator is no longer in progress")
+        if cmd.get("done"):
+            del self.operators[cmd["group"]]
+            return ok(done=True)
+        if op.step == cmd["step"] and op.message == cmd.get("message", ""):
+            return ok(changed=False)
+        op.step, op.message = cmd["step"], cmd.get("message", "")
+        return ok(operator=asdict(op))
 
     # -- reads --------------------------------------------------------------
 
@@ -197,4 +244,5 @@ class MetaStateMachine:
             "topology": copy.deepcopy(self.topology),
             "workers": {wid: asdict(w) for wid, w in sorted(self.workers.items())},
             "groups": groups,
+            "operators": {gid: asdict(op) for gid, op in sorted(self.operators.items())},
         }

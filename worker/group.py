@@ -221,6 +221,9 @@ class GroupShell:
         return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
                                    timeout_s, kind=query)
 
+    async def change_members(self, change: dict[str, str], timeout_s: float) -> Outcome:
+        return await self._request(lambda req: m.ChangeMembership(req=req, **change), timeout_s, kind="members")
+
     async def _request(self, make: Any, timeout_s: float, kind: Any) -> Outcome:
         if self.failed is not None:
             return Outcome(False, error_code="unavailable", message=f"group {self.gid} failed here: {self.failed}")
@@ -469,6 +472,7 @@ class GroupShell:
             "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
             "in_flight": len(self._pending), "voters": list(r.voters), "learners": list(r.learners),
+            "config_seq": r.config_seq,
             "snapshot_seq": self._last_snapshot_seq, "failed": self.failed,
         }
 

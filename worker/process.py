@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,13 +129,18 @@ class WorkerNode:
         for key, g in view["groups"].items():
             gid = int(key)
             members = set(g["voters"]) | set(g["learners"])
-            if self.id not in members:
-                continue
             shell = self.groups.get(gid)
+            if self.id not in members:
+                if shell is not None and shell.replica is not None and self.id not in shell.replica.voters \
+                        and self.id not in shell.replica.learners:
+                    # Removed by a committed membership change: stop hosting it.
+                    self._spawn(self._drop_group(gid))
+                continue
             if shell is None and gid not in self.corrupt:
                 shell = self._open_group(gid, topo)
             if shell is not None:
-                shell.deliver(m.MetaView(g["term"], g["leader"], tuple(g["voters"]), tuple(g["learners"])))
+                shell.deliver(m.MetaView(g["term"], g["leader"], tuple(g["voters"]), tuple(g["learners"]),
+                                         int(g.get("conf_ver", 0))))
 
     def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
         s = topo["settings"]
@@ -153,6 +159,16 @@ class WorkerNode:
         shell.start()
         self.groups[gid] = shell
         return shell
+
+    async def _drop_group(self, gid: int) -> None:
+        shell = self.groups.pop(gid, None)
+        if shell is None:
+            return
+        await shell.close()
+        # Keep the data under a tombstone name: an operator may still want it.
+        gone = shell.root.with_name(f"{shell.root.name}.removed-{int(time.time())}")
+        shell.root.rename(gone)
+        self.log.info("group_removed", group=gid, kept_at=str(gone))
 
     def group_reports(self) -> dict[str, dict[str, Any]]:
         reports = {str(gid): shell.report() for gid, shell in self.groups.items()}

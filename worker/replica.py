@@ -303,6 +303,14 @@ class Replica:
     def applied_seq(self) -> int:
         return self._applied
 
+    @property
+    def config_seq(self) -> int:
+        """Seq of the newest config entry in the log or snapshot (0: the
+        bootstrap configuration meta assigned).  Committed once
+        `config_seq <= commit_seq`; meta records it as the group's conf_ver."""
+        lc = self._log_config()
+        return lc[0] if lc is not None else 0
+
     def accepts_snapshot(self, seq: int) -> bool:
         """Would `SnapshotInstalled` at `seq` be taken now?  The shell asks
         before it restores the plugin, so that a snapshot the core would

@@ -68,6 +68,7 @@ class WorkerApi:
         r.add_post("/v1/groups/{gid}/write_batch", self.write_batch)
         r.add_post("/v1/groups/{gid}/read", self.read)
         r.add_post("/v1/groups/{gid}/transfer", self.transfer)
+        r.add_post("/v1/groups/{gid}/members", self.members)
         r.add_get("/v1/groups/{gid}/snapshot", self.snapshot_manifest)
         r.add_get("/v1/groups/{gid}/snapshot/{seq}", self.snapshot_data)
         return app
@@ -190,6 +191,16 @@ class WorkerApi:
             raise ApiError("bad_request", "transfer needs {\"to\": WORKER}")
         shell.deliver(m.TransferLeader(target))
         return json_response({"accepted": True, "group": shell.gid, "to": target}, status=202)
+
+    async def members(self, request: web.Request) -> web.Response:
+        """One membership change through the group's log (meta's operators call this)."""
+        shell = self._group(request)
+        body = await _body(request)
+        change = {k: body.get(k) for k in ("add_learner", "promote", "remove") if isinstance(body, dict) and body.get(k)}
+        if len(change) != 1 or not all(isinstance(v, str) for v in change.values()):
+            raise ApiError("bad_request", "members needs exactly one of add_learner, promote, remove")
+        out = await shell.change_members(change, DEFAULT_TIMEOUT_S)
+        return self._outcome(request, shell, out)
 
     async def snapshot_manifest(self, request: web.Request) -> web.Response:
         shell = self._group(request)

@@ -82,13 +82,34 @@ def test_set_ready_only_for_the_current_term_and_leader(sm: MetaStateMachine) ->
 
 
 def test_set_members_is_a_cas_on_conf_ver(sm: MetaStateMachine) -> None:
+    assert sm.groups[2].conf_ver == 0
     res = sm.apply({"op": "set_members", "group": 2, "voters": ["w1", "w2", "w3"], "learners": ["w4"],
-                    "expect_conf_ver": 1})
-    assert res["ok"] and res["conf_ver"] == 2
-    stale = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": [], "expect_conf_ver": 1})
+                    "expect_conf_ver": 0, "conf_ver": 17})
+    assert res["ok"] and res["conf_ver"] == 17 and sm.groups[2].learners == ["w4"]
+    stale = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": [], "expect_conf_ver": 0,
+                      "conf_ver": 20})
     assert stale["code"] == "conflict" and sm.groups[2].voters == ["w1", "w2", "w3"]
-    bad = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": ["w1"], "expect_conf_ver": 2})
+    backwards = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": [],
+                          "expect_conf_ver": 17, "conf_ver": 17})
+    assert backwards["code"] == "conflict"
+    bad = sm.apply({"op": "set_members", "group": 2, "voters": ["w1"], "learners": ["w1"], "expect_conf_ver": 17,
+                    "conf_ver": 30})
     assert bad["code"] == "bad_request"
+
+
+def test_one_operator_per_group(sm: MetaStateMachine) -> None:
+    put = {"op": "put_operator", "group": 1, "kind": "add", "worker": "w4", "step": "add_learner"}
+    assert sm.apply(put)["ok"]
+    again = sm.apply({**put, "worker": "w5"})
+    assert again["code"] == "conflict" and "already has an operator" in again["message"]
+    assert sm.apply({"op": "update_operator", "group": 1, "kind": "add", "worker": "w5", "step": "x"})["code"] == \
+        "conflict"
+    assert sm.apply({"op": "update_operator", "group": 1, "kind": "add", "worker": "w4", "step": "catch_up",
+                     "message": "applied 10/100"})["ok"]
+    assert sm.view()["operators"][1]["step"] == "catch_up"
+    assert sm.apply({"op": "update_operator", "group": 1, "kind": "add", "worker": "w4", "step": "", "done": True})[
+        "ok"]
+    assert sm.operators == {}
 
 
 def test_revision_bumps_on_change_only(sm: MetaStateMachine) -> None:
