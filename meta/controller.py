@@ -51,6 +51,12 @@ class SoftState:
 
     leader_since_ms: int
     workers: dict[str, WorkerLiveness] = field(default_factory=dict)
+    # When this meta leader first saw each worker in the replicated state: a
+    # worker declared a moment ago gets a full lease to show up.
+    first_known_ms: dict[str, int] = field(default_factory=dict)
+
+    def know(self, worker: str, now_ms: int) -> None:
+        self.first_known_ms.setdefault(worker, now_ms)
 
     def heard_from(self, worker: str, now_ms: int, groups: Mapping[int, GroupReport]) -> None:
         self.workers[worker] = WorkerLiveness(now_ms, dict(groups))
@@ -108,8 +114,9 @@ Action = SetLeader | RecordMembers | ChangeMembers | StartTransfer | UpdateOpera
 
 def is_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool:
     seen = soft.workers.get(worker)
-    # Never heard from since this meta node became leader: give it a lease.
-    last = seen.last_seen_ms if seen is not None else soft.leader_since_ms
+    # Never heard from since this meta node became leader (or since the
+    # worker was declared): give it a lease.
+    last = seen.last_seen_ms if seen is not None else max(soft.leader_since_ms, soft.first_known_ms.get(worker, 0))
     return now_ms - last < lease_ms
 
 

@@ -450,6 +450,8 @@ class MetaServer:
         assert self.soft is not None
         sm = self.raft.sm
         now, lease = _now_ms(), self._lease_ms()
+        for wid in sm.workers:
+            self.soft.know(wid, now)
         actions = decide(list(sm.groups.values()), self.soft, now, lease)
         for op in list(sm.operators.values()):
             group = sm.groups.get(op.group)

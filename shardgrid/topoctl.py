@@ -3,6 +3,10 @@
     topoctl apply FILE [--dry-run]   validate, print the plan, apply it (compare-and-set)
     topoctl status [--json]          meta nodes and who leads, groups, workers
     topoctl get                      the applied topology YAML
+    topoctl transfer SHARD [--to W]  move a group's leadership (graceful, fenced)
+    topoctl replicas SHARD --add W | --remove W
+                                     staged replica change, with progress until done
+    topoctl operators                placement changes in progress
 
 Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
 Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
@@ -137,6 +141,64 @@ async def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- operator verbs --------------------------------------------------------------------
+
+async def cmd_transfer(args: argparse.Namespace) -> int:
+    body = {"to": args.to} if args.to else {}
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/groups/{args.shard}/transfer", json=body, admin=True,
+                                deadline_s=max(args.timeout, 15.0), attempt_timeout_s=14.0)
+    if not res.get("changed", True):
+        _out(f"group {args.shard}: {res['leader']} already leads (term {res['term']})")
+    else:
+        _out(f"group {args.shard}: leader {res['old_leader']} (term {res['old_term']}) -> "
+             f"{res['new_leader']} (term {res['new_term']})")
+    return 0
+
+
+async def cmd_replicas(args: argparse.Namespace) -> int:
+    body = {"add": args.add} if args.add else {"remove": args.remove}
+    async with _client(args) as client:
+        op = await client.call("POST", f"/v1/groups/{args.shard}/replicas", json=body, admin=True)
+        _out(f"group {args.shard}: {op['kind']} {op['worker']} started (step {op['step']})")
+        if args.no_wait:
+            return 0
+        last = None
+        deadline = asyncio.get_running_loop().time() + args.wait
+        while True:
+            ops = (await client.call("GET", "/v1/operators"))["operators"]
+            cur = ops.get(str(args.shard))
+            if cur is None or (cur["kind"], cur["worker"]) != (op["kind"], op["worker"]):
+                view = await client.cluster()
+                g = view["groups"][str(args.shard)]
+                _out(f"group {args.shard}: done. voters {','.join(g['voters'])}; "
+                     f"learners {','.join(g['learners']) or '-'}")
+                return 0
+            line = f"  {cur['step']}: {cur['message']}"
+            if line != last:
+                _out(line)
+                last = line
+            if asyncio.get_running_loop().time() > deadline:
+                _err(f"topoctl: still in progress after {args.wait:.0f} s (see topoctl operators); not cancelled")
+                return EXIT_REJECTED
+            await asyncio.sleep(0.5)
+
+
+async def cmd_operators(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        ops = (await client.call("GET", "/v1/operators"))["operators"]
+    if args.json:
+        _out(orjson.dumps(ops, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    if not ops:
+        _out("no operators in progress")
+        return 0
+    _out(f"{'GROUP':<6} {'KIND':<7} {'WORKER':<8} {'STEP':<12} MESSAGE")
+    for gid, op in sorted(ops.items(), key=lambda kv: int(kv[0])):
+        _out(f"{gid:<6} {op['kind']:<7} {op['worker']:<8} {op['step']:<12} {op['message']}")
+    return 0
+
+
 # -- main ----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_status)
     g = sub.add_parser("get", help="print the applied topology YAML")
     g.set_defaults(func=cmd_get)
+    t = sub.add_parser("transfer", help="move a group's leadership to another voter")
+    t.add_argument("shard", type=int)
+    t.add_argument("--to", default=None, help="target worker (default: the best caught-up voter)")
+    t.set_defaults(func=cmd_transfer)
+    r = sub.add_parser("replicas", help="add or remove a replica of a group (staged)")
+    r.add_argument("shard", type=int)
+    grp = r.add_mutually_exclusive_group(required=True)
+    grp.add_argument("--add", metavar="WORKER")
+    grp.add_argument("--remove", metavar="WORKER")
+    r.add_argument("--no-wait", action="store_true", help="start it and return")
+    r.add_argument("--wait", type=float, default=300.0, help="seconds to follow progress (default 300)")
+    r.set_defaults(func=cmd_replicas)
+    o = sub.add_parser("operators", help="placement changes in progress")
+    o.add_argument("--json", action="store_true")
+    o.set_defaults(func=cmd_operators)
     return p
 
 

@@ -131,9 +131,8 @@ class WorkerNode:
             members = set(g["voters"]) | set(g["learners"])
             shell = self.groups.get(gid)
             if self.id not in members:
-                if shell is not None and shell.replica is not None and self.id not in shell.replica.voters \
-                        and self.id not in shell.replica.learners:
-                    # Removed by a committed membership change: stop hosting it.
+                if shell is not None:
+                    # Meta records only committed memberships: this replica was removed.
                     self._spawn(self._drop_group(gid))
                 continue
             if shell is None and gid not in self.corrupt:

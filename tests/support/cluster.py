@@ -97,12 +97,15 @@ class Cluster:
     # -- topology ------------------------------------------------------------------
 
     def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3",
-                      snapshot_every: int = 10000) -> str:
+                      snapshot_every: int = 10000, groups: list[tuple[int, str, list[str]]] | None = None) -> str:
         lines = [f"cluster: {cluster}", f"shards: {shards}", f"replication_factor: {rf}", "plugin: entities",
                  "meta:"]
         lines += [f"  - {{id: {m.id}, raft: '{m.raft}', http: '{m.http}'}}" for m in self.meta]
         lines.append("workers:")
         lines += [f"  - {{id: {w}, http: '{h}', zone: {z}}}" for w, h, z in self.workers]
+        if groups:
+            lines.append("groups:")
+            lines += [f"  - {{id: {gid}, leader: {leader}, replicas: [{', '.join(reps)}]}}" for gid, leader, reps in groups]
         lines.append(f"settings: {{ack: quorum, quorum_timeout_ms: 2000, lease_ms: {lease_ms}, fsync: batch, "
                      f"snapshot_every: {snapshot_every}}}")
         return "\n".join(lines) + "\n"

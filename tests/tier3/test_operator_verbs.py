@@ -1,0 +1,139 @@
+"""Operator verbs over real processes: transfer under writes, replica add (snapshot catch-up) and remove."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.support.cluster import Cluster, http_json, wait_until
+
+pytestmark = pytest.mark.tier3
+
+GROUPS = [(0, "w1", ["w1", "w2", "w3"]), (1, "w2", ["w1", "w2", "w3"]), (2, "w3", ["w1", "w2", "w3"])]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster.create(tmp_path / "cluster", n_workers=4)
+    try:
+        c.start_meta()
+        c.wait_leader()
+        topo = c.write_topology(c.topology_yaml(snapshot_every=100, groups=GROUPS))
+        res = c.topoctl("apply", str(topo))
+        assert res.returncode == 0, res.stderr
+        c.start_workers()
+        c.wait_groups_ready(timeout=30)
+        yield c
+    finally:
+        c.close()
+
+
+class LoadThread(threading.Thread):
+    """Sequential unique writes to one group, following not_leader hints; records every answer."""
+
+    def __init__(self, c: Cluster, gid: int, limit: int = 100_000) -> None:
+        super().__init__(daemon=True)
+        self.c, self.gid, self.limit = c, gid, limit
+        self.stop = threading.Event()
+        self.acked: dict[str, int] = {}
+        self.errors: list[tuple[int, str]] = []
+        self.not_leader = 0
+
+    def leader_addr(self) -> str:
+        v = self.c.view()
+        return v["workers"][v["groups"][str(self.gid)]["leader"]]["addr"]
+
+    def run(self) -> None:
+        addr = self.leader_addr()
+        i = 0
+        while not self.stop.is_set() and i < self.limit:
+            key, rid = f"k{i}", uuid.uuid4().hex
+            body = {"op": {"kind": "put_item", "id": key, "doc": {"v": key}}, "rid": rid, "deadline_ms": 3000}
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                try:
+                    status, resp = http_json("POST", f"http://{addr}/v1/groups/{self.gid}/write", body, timeout=4)
+                except OSError as exc:
+                    self.errors.append((0, type(exc).__name__))
+                    addr = self.leader_addr()
+                    continue
+                if status == 200:
+                    self.acked[key] = resp["seq"]
+                    break
+                code = resp["error"]["code"]
+                if code == "not_leader":
+                    self.not_leader += 1
+                    hint = resp["error"].get("leader")
+                    v = self.c.view()
+                    addr = v["workers"][hint]["addr"] if hint in v["workers"] else self.leader_addr()
+                    time.sleep(0.01)
+                    continue
+                self.errors.append((status, code))
+            i += 1
+
+
+def read_all(c: Cluster, wid: str, gid: int, keys: dict[str, int]) -> list[str]:
+    missing = []
+    min_seq = max(keys.values())
+    for key in keys:
+        status, body = http_json("POST", f"http://{c.worker_addr(wid)}/v1/groups/{gid}/read",
+                                 {"query": {"kind": "get_item", "id": key}, "consistency": "follower",
+                                  "min_seq": min_seq}, timeout=5)
+        if status != 200 or body["result"] != {"v": key}:
+            missing.append(key)
+    return missing
+
+
+def test_transfer_under_load_then_add_and_remove_replicas(cluster: Cluster) -> None:
+    c = cluster
+    load = LoadThread(c, 1)
+    load.start()
+    try:
+        wait_until(lambda: len(load.acked) >= 150, 30, "150 acknowledged writes before the transfer")
+        before = c.view()["groups"]["1"]
+        target = next(w for w in ("w3", "w1", "w2") if w != before["leader"])
+        res = c.topoctl("transfer", "1", "--to", target, timeout=20)
+        assert res.returncode == 0, res.stderr
+        assert f"leader {before['leader']} (term {before['term']})" in res.stdout and f"-> {target}" in res.stdout
+        v = c.view()
+        assert v["groups"]["1"]["leader"] == target and v["groups"]["1"]["ready"]
+        n = len(load.acked)
+        wait_until(lambda: len(load.acked) >= n + 100, 30, "writes to continue after the transfer")
+
+        # A worker that is not a voter cannot take the leadership.
+        refused = c.topoctl("transfer", "1", "--to", "w4", timeout=10)
+        assert refused.returncode == 1 and "not a voter" in refused.stderr
+
+        # Add w4: learner, snapshot + tail, promotion. Progress is printed while it runs.
+        added = c.topoctl("replicas", "1", "--add", "w4", "--wait", "60", timeout=70)
+        assert added.returncode == 0, added.stderr
+        assert "done" in added.stdout and "w4" in added.stdout.split("voters")[1].split(";")[0], added.stdout
+        assert "snapshot_downloaded" in (c.root / "logs" / "w4.log").read_text()
+
+        # Remove the current leader: the leadership moves away first, then it leaves.
+        removed = c.topoctl("replicas", "1", "--remove", target, "--wait", "60", timeout=70)
+        assert removed.returncode == 0, removed.stderr
+        v = c.view()
+        assert target not in v["groups"]["1"]["voters"] and v["groups"]["1"]["leader"] != target
+        n = len(load.acked)
+        wait_until(lambda: len(load.acked) >= n + 50, 30, "writes to continue after the removal")
+    finally:
+        load.stop.set()
+        load.join(30)
+    assert load.errors == [], f"client-visible errors: {load.errors[:10]}"
+    print(f"\nacked {len(load.acked)} writes, {load.not_leader} not_leader redirects, 0 errors")
+    leader = c.view()["groups"]["1"]["leader"]
+    for wid in ("w4", leader):
+        assert read_all(c, wid, 1, load.acked) == [], f"acknowledged writes missing on {wid}"
+    # Refusal: removing a voter when that would leave no live quorum.
+    c.kill("w1")
+    meta_leader = c.meta_spec(c.wait_leader()).http
+    wait_until(lambda: http_json("GET", f"http://{meta_leader}/v1/cluster")[1]["workers"]["w1"]["live"] is False,
+               10, "meta to see w1 dead")
+    survivors = [w for w in c.view()["groups"]["1"]["voters"] if w != "w1"]
+    bad = c.topoctl("replicas", "1", "--remove", survivors[0], "--no-wait", timeout=10)
+    assert bad.returncode == 1 and "quorum" in bad.stderr, bad.stderr
