@@ -18,6 +18,11 @@ from typing import Mapping, Sequence
 
 from meta.state import GroupRecord, OperatorRecord
 
+# A group that never had a ready leader holds no data yet: give its first
+# leader this long to start (a worker process may need seconds to boot)
+# before failing it over, instead of one lease.
+BOOTSTRAP_GRACE_MS = 10_000
+
 # A learner within this many entries of the leader's commit may be promoted
 # (the group core applies the same bound when it is asked).
 CATCH_UP_LAG = 64
@@ -233,11 +238,12 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
     if now_ms - soft.leader_since_ms < lease_ms:
         return actions
     for group in sorted(groups, key=lambda g: g.id):
-        if group.leader is not None and is_live(soft, group.leader, now_ms, lease_ms):
+        grace = lease_ms if group.ready_term > 0 else max(lease_ms, BOOTSTRAP_GRACE_MS)
+        if group.leader is not None and is_live(soft, group.leader, now_ms, grace):
             continue
         candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:
             continue
-        reason = "leader_unassigned" if group.leader is None else f"leader {group.leader} silent for {lease_ms} ms"
+        reason = "leader_unassigned" if group.leader is None else f"leader {group.leader} silent for {grace} ms"
         actions.append(SetLeader(group.id, candidate, group.term, reason))
     return actions

@@ -47,7 +47,8 @@ async def serve(cfg: MetaProcessConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password, loop)
     server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token), log)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    # Long-poll watches would hold a graceful shutdown for their whole timeout.
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     host, port = _split_hostport(cfg.me.http)
     await web.TCPSite(runner, host, port, reuse_address=True).start()

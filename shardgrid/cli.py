@@ -41,10 +41,24 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(cfg)
 
 
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.process import GatewayConfig, main as gateway_main
+
+    meta = tuple(a.strip() for a in args.meta.split(",") if a.strip())
+    if not meta:
+        sys.stderr.write("shardgrid gateway: --meta needs at least one address\n")
+        return 2
+    cfg = GatewayConfig(listen=args.http, meta=meta,
+                        admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
+                        access_log=args.access_log)
+    return gateway_main(cfg)
+
+
 def _cmd_dev(args: argparse.Namespace) -> int:
     from shardgrid.devcluster import DevOptions, run_dev
 
-    return run_dev(DevOptions(data=Path(args.data), fresh=args.fresh, topology=Path(args.topology)))
+    return run_dev(DevOptions(data=Path(args.data), fresh=args.fresh, topology=Path(args.topology),
+                              workers=args.workers, shards=args.shards, gateways=args.gateways))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--zone", default=None, help="failure domain (default: the topology's)")
     w.set_defaults(func=_cmd_worker)
 
+    g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
+    g.add_argument("--http", required=True, help="host:port to listen on")
+    g.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
+    g.add_argument("--admin-token-file", default=None,
+                   help="admin token for /cluster/* (else env SHARDGRID_ADMIN_TOKEN; none = not checked here)")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one structured log line per request (default on; off saves CPU at high rates)")
+    g.set_defaults(func=_cmd_gateway)
+
     from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
 
     d = sub.add_parser("dev", help="run a local cluster as child processes on loopback")
     d.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
     d.add_argument("--fresh", action="store_true", help="wipe the data directory first")
     d.add_argument("--topology", default=str(default_topology_path()), help="topology file to apply")
+    d.add_argument("--workers", type=int, default=None, help="generate a topology with N workers")
+    d.add_argument("--shards", type=int, default=None, help="generate a topology with S shards")
+    d.add_argument("--gateways", type=int, default=1, help="gateways to start (ports 8080, 8081, ...)")
     d.set_defaults(func=_cmd_dev)
     return p
 

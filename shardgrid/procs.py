@@ -31,10 +31,12 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
+    _termed: bool = field(default=False, repr=False)
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
+        self._termed = False
         self.proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -56,6 +58,12 @@ class Child:
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
             return
+        if sig == signal.SIGTERM:
+            # A second TERM during shutdown would hit the default handler
+            # once the process has removed its own: send it once.
+            if self._termed:
+                return
+            self._termed = True
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:

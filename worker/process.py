@@ -16,6 +16,7 @@ from typing import Any
 
 import uvloop
 from aiohttp import web
+from prometheus_client import Gauge
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.httpmetrics import HttpMetrics
@@ -44,6 +45,16 @@ class WorkerNode:
         self.log = log
         self.meta = MetaClient(cfg.meta, deadline_s=5.0)
         self.metrics = HttpMetrics("worker")
+        reg = self.metrics.registry
+        labels = ["group"]
+        self._gauges = {
+            name: Gauge(f"shardgrid_group_{name}", doc, labels, registry=reg)
+            for name, doc in (("term", "current term"), ("last_seq", "last log seq"), ("commit", "commit seq"),
+                              ("applied", "applied seq"), ("lag", "commit - applied"),
+                              ("is_leader", "1 when this replica is the ready leader"),
+                              ("in_flight", "client requests waiting"),
+                              ("write_latency_p99_ms", "p99 of recent acknowledged writes (ms)"))
+        }
         self.groups: dict[int, GroupShell] = {}
         self.corrupt: dict[int, str] = {}
         self.view: dict[str, Any] | None = None
@@ -169,6 +180,17 @@ class WorkerNode:
         shell.root.rename(gone)
         self.log.info("group_removed", group=gid, kept_at=str(gone))
 
+    def update_gauges(self) -> None:
+        for gid, shell in self.groups.items():
+            rep = shell.report()
+            if "term" not in rep:
+                continue
+            g = str(gid)
+            for key in ("term", "last_seq", "commit", "applied", "lag", "in_flight"):
+                self._gauges[key].labels(g).set(rep[key])
+            self._gauges["is_leader"].labels(g).set(1 if rep["ready"] else 0)
+            self._gauges["write_latency_p99_ms"].labels(g).set(rep["latency_p99_ms"])
+
     def group_reports(self) -> dict[str, dict[str, Any]]:
         reports = {str(gid): shell.report() for gid, shell in self.groups.items()}
         for gid, why in self.corrupt.items():
@@ -206,6 +228,16 @@ class WorkerNode:
         await self.meta.close()
 
 
+def _preload_torch(log: Any) -> None:
+    started = time.monotonic()
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        log.warning("torch_unavailable", error=str(exc))
+        return
+    log.info("torch_loaded", seconds=round(time.monotonic() - started, 2))
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host, int(port)
@@ -217,8 +249,13 @@ async def serve(cfg: WorkerConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The entities plugin imports torch on its first search. That import
+    # takes seconds of CPU and, done later, would stall this event loop and
+    # its heartbeats long enough to lose leaderships; even in a thread it
+    # starves the loop of the GIL. Pay it before joining the cluster.
+    _preload_torch(log)
     node = WorkerNode(cfg, log)
-    runner = web.AppRunner(WorkerApi(node).app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(WorkerApi(node).app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
     await runner.setup()
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True).start()

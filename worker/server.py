@@ -61,7 +61,7 @@ class WorkerApi:
         app[LOGGER_KEY] = self.node.log
         r = app.router
         r.add_get("/healthz", self.healthz)
-        r.add_get("/metrics", self.node.metrics.handle_metrics)
+        r.add_get("/metrics", self.metrics)
         r.add_get("/v1/status", self.status)
         r.add_post("/v1/raft", self.raft)
         r.add_post("/v1/groups/{gid}/write", self.write)
@@ -83,6 +83,10 @@ class WorkerApi:
             raise ApiError("not_leader", f"worker {self.node.id} hosts no replica of group {gid}", shard=gid,
                            leader=self.node.leader_of(gid))
         return shell
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.node.update_gauges()
+        return await self.node.metrics.handle_metrics(request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response({"ok": True, "id": self.node.id, "groups": sorted(self.node.groups),

@@ -8,8 +8,8 @@ LEASE = 1500
 
 
 def groups() -> list[GroupRecord]:
-    return [GroupRecord(id=i, term=5, leader=f"w{i + 1}", voters=["w1", "w2", "w3"], preferred_leader=f"w{i + 1}")
-            for i in range(3)]
+    return [GroupRecord(id=i, term=5, leader=f"w{i + 1}", voters=["w1", "w2", "w3"], preferred_leader=f"w{i + 1}",
+                        ready_term=5) for i in range(3)]
 
 
 def soft_with(now: int, seen: dict[str, int], reports: dict[str, dict[int, tuple[int, int]]] | None = None) -> SoftState:
@@ -42,7 +42,7 @@ def test_most_up_to_date_live_voter_wins_term_before_seq() -> None:
 
 def test_tie_prefers_the_preferred_leader_then_lowest_id() -> None:
     now = 10_000
-    gs = [GroupRecord(id=0, term=2, leader="w1", voters=["w1", "w2", "w3"], preferred_leader="w3")]
+    gs = [GroupRecord(id=0, term=2, leader="w1", voters=["w1", "w2", "w3"], preferred_leader="w3", ready_term=2)]
     soft = soft_with(now, {"w2": now, "w3": now}, {"w2": {0: (2, 7)}, "w3": {0: (2, 7)}})
     assert decide(gs, soft, now, LEASE)[0].leader == "w3"
     gs[0].preferred_leader = "w1"
@@ -65,6 +65,18 @@ def test_no_live_voter_means_no_action() -> None:
 
 def test_non_voters_are_never_chosen() -> None:
     now = 10_000
-    gs = [GroupRecord(id=0, term=1, leader="w1", voters=["w1", "w2", "w3"], learners=["w4"])]
+    gs = [GroupRecord(id=0, term=1, leader="w1", voters=["w1", "w2", "w3"], learners=["w4"], ready_term=1)]
     soft = soft_with(now, {"w4": now}, {"w4": {0: (1, 999)}})
     assert decide(gs, soft, now, LEASE) == []
+
+
+def test_a_group_that_never_had_a_ready_leader_gets_the_bootstrap_grace() -> None:
+    from meta.controller import BOOTSTRAP_GRACE_MS
+
+    fresh = [GroupRecord(id=0, term=1, leader="w1", voters=["w1", "w2", "w3"])]  # ready_term 0: no data yet
+    soft = SoftState(leader_since_ms=0)
+    soft.know("w1", 0)
+    soft.heard_from("w2", BOOTSTRAP_GRACE_MS - 10, {})
+    assert decide(fresh, soft, LEASE * 3, LEASE) == []
+    (action,) = decide(fresh, soft, BOOTSTRAP_GRACE_MS, LEASE)
+    assert action.leader == "w2" and "10000 ms" in action.reason

@@ -1,0 +1,769 @@
+"""Forwarding: the routing cache that follows meta, and the calls to workers.
+
+`RouteCache` keeps the current `RoutingTable`: a long-poll watch of meta's
+`/v1/cluster` (MetaClient follows meta leader changes and node failures), plus
+a direct `GET /v1/cluster` whenever a request suspects the table is stale
+(`nudge`, rate-limited). Requests that pause between attempts wait on
+`changed_future()` rather than sleeping blind, so a failover reaches them as
+soon as meta publishes it.
+
+`Forwarder` runs the retry loop of one request against one group, with the
+pure policy of `gateway/router.py`. Every attempt at a leader is registered
+with the cache; if meta names a different leader while it is in flight (a
+hung worker), the cache cancels it and the request moves on at once. A write
+keeps its request id across attempts, so the workers' replicated dedup table
+applies it once.
+
+`GroupCaller` sends a group's single writes. While a call to the group's
+leader is in flight, further writes to it queue and leave together as ONE
+`write_batch` when it returns (no timers: an idle gateway adds no latency;
+a busy one turns N round trips into one). Lanes are per (group, leader
+address), so a hung old leader never holds up writes for the new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+from prometheus_client import Counter, Gauge
+
+from gateway.router import (MIN_ATTEMPT_S, WORKER_MARGIN_S, AttemptBudget, Hint, Next, RetryState, RoutingTable,
+                            Target, accept_hint, after_reply, attempt_budget, backoff_s, give_up, prune_hints)
+from meta.client import MetaClient, MetaUnreachable
+from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
+
+MSGPACK = "application/msgpack"
+_MSGPACK_HEADERS = {"Content-Type": MSGPACK}
+MAX_COALESCED = 1000  # writes per coalesced write_batch (the rest wait for the next one)
+REFRESH_MIN_INTERVAL_S = 0.05  # at most ~20 direct GET /v1/cluster per second, however many nudges
+REFRESH_DEADLINE_S = 1.0
+_CODE_FOR_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "payload_too_large",
+                    501: "not_implemented", 503: "unavailable", 504: "deadline_exceeded"}
+
+
+class GatewayMetrics:
+    """HTTP metrics (per route and code) plus the gateway's own counters, one registry."""
+
+    def __init__(self) -> None:
+        self.http = HttpMetrics("gateway")
+        reg = self.http.registry
+        self.retries = Counter("shardgrid_gateway_retries", "attempts retried, by reason", ["reason"], registry=reg)
+        self.refusals = Counter("shardgrid_gateway_refusals",
+                                "the gateway's own answers when the deadline budget ran out, by code",
+                                ["code"], registry=reg)
+        self.write_batches = Counter("shardgrid_gateway_write_batches", "write_batch calls to workers, by source",
+                                     ["source"], registry=reg)
+        self.coalesced = Counter("shardgrid_gateway_coalesced_writes",
+                                 "single writes sent inside a coalesced write_batch", registry=reg)
+        self.degraded = Counter("shardgrid_gateway_search_degraded", "searches answered without some shard",
+                                registry=reg)
+        self.revision = Gauge("shardgrid_gateway_routing_revision", "meta revision of the routing table",
+                              registry=reg)
+        self.leaderless = Gauge("shardgrid_gateway_groups_without_ready_leader",
+                                "groups whose leader is unknown or not ready", registry=reg)
+
+
+@dataclass(slots=True)
+class Trace:
+    """What one client request did, for the access log and response headers."""
+
+    request_id: str | None = None
+    shard: int | None = None
+    leader: str | None = None  # the last worker tried
+    attempts: int = 0
+    outcome: str | None = None
+
+
+# -- worker replies ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WorkerReply:
+    status: int
+    code: str | None  # None = success
+    body: Any  # success: {"seq", "term", "result"}; failure: the error body
+    served_by: str | None
+    shard: int | None
+    term: int | None
+    seq: int | None
+
+    @property
+    def ok(self) -> bool:
+        return self.code is None
+
+    @property
+    def result(self) -> Any:
+        return self.body.get("result") if isinstance(self.body, dict) else None
+
+    @property
+    def error(self) -> dict[str, Any]:
+        err = self.body.get("error") if isinstance(self.body, dict) else None
+        return err if isinstance(err, dict) else {}
+
+
+class AttemptFailed(Exception):
+    """An attempt got no answer. kind: refused (nothing sent) | timeout | broken."""
+
+    def __init__(self, kind: str, sent: bool, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.sent = sent
+        self.detail = detail
+
+
+class LeaderMoved(Exception):
+    """Meta named another leader while an attempt was in flight; it was abandoned."""
+
+
+@dataclass(eq=False, slots=True)
+class Attempt:
+    """One try at one worker. `sent`: the request may have reached it (outcome
+    unknown on failure). `task`/`wid`/`moved`: while it is in flight to a leader,
+    the route cache cancels it (and sets `moved`) when meta names another one."""
+
+    sent: bool = False
+    task: asyncio.Future[WorkerReply] | None = None
+    wid: str = ""
+    moved: bool = False
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], content_type: str, raw: bytes,
+                target: Target, gid: int | None) -> WorkerReply:
+    """Decode a worker answer (msgpack or, for errors raised before the body was read, JSON)."""
+    body: Any
+    try:
+        if content_type == MSGPACK:
+            body = unpackb(raw)
+        elif content_type == "application/json":
+            body = orjson.loads(raw)
+        else:
+            body = raw.decode("utf-8", "replace")
+    except (ValueError, orjson.JSONDecodeError):
+        body = raw[:200].decode("utf-8", "replace")
+    served_by = headers.get("x-served-by") or target.wid
+    term = _int(headers.get("x-term"))
+    seq = _int(headers.get("x-seq"))
+    if 200 <= status < 300 and isinstance(body, dict):
+        return WorkerReply(status, None, body, served_by, gid, term if term is not None else _int(body.get("term")),
+                           seq if seq is not None else _int(body.get("seq")))
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict) or not isinstance(err.get("code"), str):
+        code = _CODE_FOR_STATUS.get(status, "internal")
+        body = error_body(code, f"worker {target.wid} answered {status}: {str(body)[:200]}", shard=gid)
+        err = body["error"]
+    if status < 400:
+        status = STATUS_FOR_CODE.get(err["code"], 500)
+    return WorkerReply(status, err["code"], body, served_by, gid,
+                       term if term is not None else _int(err.get("term")), seq)
+
+
+def item_reply(item: Any, target: Target, gid: int) -> WorkerReply:
+    """One entry of a write_batch answer, as if it had been a single write."""
+    if isinstance(item, dict) and "error" in item:
+        err = item["error"] if isinstance(item["error"], dict) else {}
+        code = str(err.get("code", "internal"))
+        return WorkerReply(STATUS_FOR_CODE.get(code, 500), code, item, target.wid, gid, _int(err.get("term")), None)
+    if isinstance(item, dict):
+        return WorkerReply(200, None, item, target.wid, gid, _int(item.get("term")), _int(item.get("seq")))
+    return WorkerReply(500, "internal", error_body("internal", f"worker {target.wid} sent a malformed batch result",
+                                                   shard=gid), target.wid, gid, None, None)
+
+
+class WorkerHttp:
+    """One POST of a msgpack body to a worker; transport failures become AttemptFailed."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.session = session
+
+    async def post(self, target: Target, path: str, payload: dict[str, Any], timeout_s: float,
+                   gid: int | None) -> WorkerReply:
+        try:
+            async with self.session.post(target.base + path, data=packb(payload), headers=_MSGPACK_HEADERS,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.read()
+                return parse_reply(resp.status, resp.headers, resp.content_type, raw, target, gid)
+        except aiohttp.ClientConnectorError as exc:
+            # Connection refused / unreachable: the request never left, nothing applied.
+            raise AttemptFailed("refused", False, f"{target.wid} unreachable ({exc.os_error or exc})") from None
+        except TimeoutError:
+            raise AttemptFailed("timeout", True, f"{target.wid} did not answer within {timeout_s:.3f}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            # Reset or disconnected after sending: the worker may have the write.
+            raise AttemptFailed("broken", True, f"{target.wid}: {type(exc).__name__} {exc}") from None
+
+
+# -- the routing cache ------------------------------------------------------------------------------
+
+
+class RouteCache:
+    def __init__(self, meta: MetaClient, log: Any, metrics: GatewayMetrics, watch_timeout_s: float = 25.0) -> None:
+        self.meta = meta
+        self.log = log
+        self.metrics = metrics
+        self.watch_timeout_s = watch_timeout_s
+        self.table: RoutingTable | None = None
+        self.hints: dict[int, Hint] = {}
+        self._changed: asyncio.Future[None] | None = None
+        self._inflight: dict[int, set[Attempt]] = {}  # gid -> attempts in flight to its leader
+        self._refresh = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- updates
+
+    def update(self, view: Any) -> bool:
+        """Adopt `view` if it is newer than the table; wake every waiting request."""
+        try:
+            table = RoutingTable.from_view(view)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            self.log.warning("routing_view_unusable", error=f"{type(exc).__name__}: {exc}")
+            return False
+        if self.table is not None and table.revision <= self.table.revision:
+            return False
+        self.hints = prune_hints(self.hints, table)
+        self.table = table
+        self.metrics.revision.set(table.revision)
+        self.metrics.leaderless.set(len(table.groups_without_ready_leader()))
+        self.log.debug("routing_table", revision=table.revision, shards=table.shards)
+        fut, self._changed = self._changed, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        self._abandon_moved()
+        return True
+
+    def _abandon_moved(self) -> None:
+        """Cancel attempts still waiting on a worker that no longer leads their group
+        (a hung leader would otherwise hold them until their budget is gone)."""
+        for gid, attempts in self._inflight.items():
+            if not attempts:
+                continue
+            target = self.leader_target(gid)
+            if target is None:
+                continue
+            for a in attempts:
+                if a.wid != target.wid and not a.moved and a.task is not None:
+                    a.moved = True
+                    a.task.cancel()
+
+    def track(self, gid: int, attempt: Attempt) -> None:
+        self._inflight.setdefault(gid, set()).add(attempt)
+
+    def untrack(self, gid: int, attempt: Attempt) -> None:
+        attempts = self._inflight.get(gid)
+        if attempts is not None:
+            attempts.discard(attempt)
+
+    def apply_hint(self, gid: int, leader: Any, term: Any) -> None:
+        table = self.table
+        if table is None:
+            return
+        hint = accept_hint(table.groups.get(gid), self.hints.get(gid), leader, term)
+        if hint is not None and hint.leader in table.workers:
+            self.hints[gid] = hint
+        else:
+            self.nudge()  # a leader we cannot reach by name: meta knows more
+
+    def nudge(self) -> None:
+        """Ask for a direct GET /v1/cluster soon (coalesced and rate-limited)."""
+        self._refresh.set()
+
+    # -- lookups
+
+    def leader_target(self, gid: int) -> Target | None:
+        table = self.table
+        return None if table is None else table.leader_target(gid, self.hints.get(gid))
+
+    def changed_future(self) -> asyncio.Future[None]:
+        """Resolved at the next table change (shared by every waiter)."""
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        if timeout_s > 0:
+            await asyncio.wait((self.changed_future(),), timeout=timeout_s)
+
+    async def wait_for_table(self, deadline: float) -> RoutingTable | None:
+        """The table once it has a topology, waiting (at most until `deadline`) if needed."""
+        loop = asyncio.get_running_loop()
+        while self.table is None or self.table.shards < 1:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            self.nudge()
+            await self.wait_changed(min(remaining, 0.1))
+        return self.table
+
+    # -- background
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(), name="gateway-watch"),
+                       asyncio.create_task(self._refresher(), name="gateway-refresh")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _watch(self) -> None:
+        # MetaClient.watch retries forever across meta failures and leader changes.
+        async for view in self.meta.watch(after=-1, poll_timeout_s=self.watch_timeout_s):
+            if self.update(view):
+                self.log.info("routing_updated", revision=view.get("revision"))
+
+    async def _refresher(self) -> None:
+        while True:
+            await self._refresh.wait()
+            self._refresh.clear()
+            try:
+                status, body, _ = await self.meta.request("GET", "/v1/cluster", deadline_s=REFRESH_DEADLINE_S,
+                                                          attempt_timeout_s=REFRESH_DEADLINE_S / 2)
+            except MetaUnreachable as exc:
+                self.log.debug("routing_refresh_failed", error=str(exc))
+            else:
+                if status == 200 and isinstance(body, dict) and self.update(body):
+                    self.log.info("routing_updated", revision=body.get("revision"), via="refresh")
+            await asyncio.sleep(REFRESH_MIN_INTERVAL_S)
+
+
+# -- per-group write calls (coalescing) ------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class _Queued:
+    op: dict[str, Any]
+    rid: str
+    ack: str
+    deadline: float  # loop time by which its owner stops waiting
+    fut: asyncio.Future[WorkerReply | AttemptFailed]
+    attempt: Attempt
+    abandoned: bool = False
+
+
+@dataclass(slots=True)
+class _Lane:
+    busy: bool = False
+    queue: list[_Queued] = field(default_factory=list)
+
+
+class GroupCaller:
+    """Single writes of one group, coalesced per leader while a call is in flight."""
+
+    def __init__(self, gid: int, http: WorkerHttp, metrics: GatewayMetrics, coalesce: bool) -> None:
+        self.gid = gid
+        self.http = http
+        self.metrics = metrics
+        self.coalesce = coalesce
+        self._write_path = f"/v1/groups/{gid}/write"
+        self._batch_path = f"/v1/groups/{gid}/write_batch"
+        self._lanes: dict[str, _Lane] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def write(self, target: Target, op: dict[str, Any], rid: str, ack: str, budget: AttemptBudget,
+                    attempt: Attempt) -> WorkerReply:
+        lane = self._lanes.get(target.base)
+        if not self.coalesce or lane is None or not lane.busy:
+            if self.coalesce:
+                if lane is None:
+                    lane = self._lanes[target.base] = _Lane()
+                lane.busy = True
+            attempt.sent = True
+            try:
+                return await self.http.post(target, self._write_path,
+                                            {"op": op, "ack": ack, "rid": rid,
+                                             "deadline_ms": budget.worker_deadline_ms},
+                                            budget.http_timeout_s, self.gid)
+            finally:
+                if lane is not None:
+                    self._next(target, lane)
+        loop = asyncio.get_running_loop()
+        item = _Queued(op, rid, ack, loop.time() + budget.http_timeout_s, loop.create_future(), attempt)
+        lane.queue.append(item)
+        try:
+            outcome = await asyncio.wait_for(item.fut, budget.http_timeout_s)
+        except TimeoutError:
+            raise AttemptFailed("timeout", attempt.sent, f"{target.wid} did not answer within "
+                                f"{budget.http_timeout_s:.3f}s (coalesced)") from None
+        finally:
+            item.abandoned = True
+        if isinstance(outcome, AttemptFailed):
+            raise outcome
+        return outcome
+
+    def _next(self, target: Target, lane: _Lane) -> None:
+        """The lane's call returned: send what queued meanwhile, or go idle."""
+        live = [q for q in lane.queue if not q.abandoned]
+        if not live:
+            lane.queue.clear()
+            lane.busy = False
+            if self._lanes.get(target.base) is lane:
+                del self._lanes[target.base]  # idle lanes cost nothing; keep the dict small
+            return
+        ack = live[0].ack  # one ack per write_batch; other acks go next round
+        batch = [q for q in live if q.ack == ack][:MAX_COALESCED]
+        chosen = set(batch)
+        lane.queue = [q for q in live if q not in chosen]
+        task = asyncio.get_running_loop().create_task(self._send_batch(target, lane, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_batch(self, target: Target, lane: _Lane, batch: list[_Queued]) -> None:
+        try:
+            timeout = max(q.deadline for q in batch) - asyncio.get_running_loop().time()
+            if timeout < MIN_ATTEMPT_S:
+                return  # every owner has given up or is about to; the finally answers them
+            for q in batch:
+                q.attempt.sent = True
+            self.metrics.write_batches.labels("coalesced").inc()
+            self.metrics.coalesced.inc(len(batch))
+            payload = {"writes": [{"op": q.op, "rid": q.rid} for q in batch], "ack": batch[0].ack,
+                       "deadline_ms": max(1, int((timeout - WORKER_MARGIN_S) * 1000))}
+            try:
+                reply = await self.http.post(target, self._batch_path, payload, timeout, self.gid)
+            except AttemptFailed as failed:
+                for q in batch:
+                    _settle(q, AttemptFailed(failed.kind, failed.sent, failed.detail))
+                return
+            results = reply.body.get("results") if reply.ok and isinstance(reply.body, dict) else None
+            if not reply.ok:
+                for q in batch:
+                    _settle(q, reply)  # a group-level refusal (not_leader, ...) applies to each
+            elif not isinstance(results, list) or len(results) != len(batch):
+                for q in batch:
+                    _settle(q, item_reply(None, target, self.gid))
+            else:
+                for q, r in zip(batch, results):
+                    _settle(q, item_reply(r, target, self.gid))
+        finally:
+            for q in batch:
+                _settle(q, AttemptFailed("broken", q.attempt.sent, "the coalesced call ended without an answer"))
+            self._next(target, lane)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _settle(q: _Queued, outcome: WorkerReply | AttemptFailed) -> None:
+    # A failure is delivered as a value, not set_exception: an owner that has
+    # already left would otherwise leave a "never retrieved" exception behind.
+    if not q.fut.done():
+        q.fut.set_result(outcome)
+
+
+# -- the retry loops ----------------------------------------------------------------------------------
+
+Send = Callable[[Target, AttemptBudget, Attempt], Awaitable[WorkerReply]]
+
+
+@dataclass(slots=True)
+class SearchOutcome:
+    hits: list[list[dict[str, Any]]]  # per answering group
+    unavailable: list[int]
+    attempts: int
+    error: WorkerReply | None  # a definite client error from a group (4xx)
+
+
+class Forwarder:
+    def __init__(self, cache: RouteCache, http: WorkerHttp, metrics: GatewayMetrics, coalesce: bool = True) -> None:
+        self.cache = cache
+        self.http = http
+        self.metrics = metrics
+        self.coalesce = coalesce
+        self._callers: dict[int, GroupCaller] = {}
+        self._rotation = itertools.count()  # spreads follower reads over replicas
+
+    def caller(self, gid: int) -> GroupCaller:
+        c = self._callers.get(gid)
+        if c is None:
+            c = self._callers[gid] = GroupCaller(gid, self.http, self.metrics, self.coalesce)
+        return c
+
+    async def close(self) -> None:
+        for c in self._callers.values():
+            await c.close()
+
+    # -- public operations
+
+    async def write(self, gid: int, op: dict[str, Any], rid: str, ack: str, deadline: float,
+                    trace: Trace) -> WorkerReply:
+        caller = self.caller(gid)
+
+        def send(target: Target, budget: AttemptBudget, attempt: Attempt) -> Awaitable[WorkerReply]:
+            return caller.write(target, op, rid, ack, budget, attempt)
+
+        return await self._run(gid, send, deadline, trace, write=True, follower=False)
+
+    async def read(self, gid: int, query: dict[str, Any], consistency: str, min_seq: int, deadline: float,
+                   trace: Trace) -> WorkerReply:
+        path = f"/v1/groups/{gid}/read"
+
+        def send(target: Target, budget: AttemptBudget, attempt: Attempt) -> Awaitable[WorkerReply]:
+            return self.http.post(target, path, {"query": query, "consistency": consistency, "min_seq": min_seq,
+                                                 "deadline_ms": budget.worker_deadline_ms},
+                                  budget.http_timeout_s, gid)
+
+        return await self._run(gid, send, deadline, trace, write=False, follower=consistency == "follower")
+
+    async def search(self, shards: int, query: dict[str, Any], consistency: str, deadline: float) -> SearchOutcome:
+        """Scatter to one replica per group; every group's loop ends before the deadline."""
+
+        async def one(gid: int) -> tuple[int, WorkerReply | None, int]:
+            sub = Trace(shard=gid)
+            try:
+                return gid, await self.read(gid, query, consistency, 0, deadline, sub), sub.attempts
+            except ApiError:
+                return gid, None, sub.attempts
+
+        out = SearchOutcome([], [], 0, None)
+        for gid, reply, attempts in await asyncio.gather(*(one(g) for g in range(shards))):
+            out.attempts += attempts
+            if reply is not None and reply.ok and isinstance(reply.result, list):
+                out.hits.append(reply.result)
+            elif reply is not None and 400 <= reply.status < 500:
+                out.error = out.error or reply
+            else:
+                out.unavailable.append(gid)
+        if out.unavailable:
+            self.metrics.degraded.inc()
+        return out
+
+    async def write_batch(self, gid: int, writes: list[tuple[dict[str, Any], str]], ack: str, deadline: float,
+                          trace: Trace) -> list[dict[str, Any]]:
+        """One write_batch round trip per attempt; only the writes that need it go again.
+
+        Returns one result per write, in order: `{"shard", "seq", "term",
+        "served_by", "result"}` or an error body with `shard`.
+        """
+        loop = asyncio.get_running_loop()
+        path = f"/v1/groups/{gid}/write_batch"
+        results: list[dict[str, Any] | None] = [None] * len(writes)
+        pending = list(range(len(writes)))
+        st = RetryState()
+        while pending:
+            remaining = deadline - loop.time()
+            budget = attempt_budget(remaining)
+            if budget is None:
+                err = self._give_up(st, True, gid)
+                for i in pending:
+                    results[i] = err.body()
+                break
+            target = self.cache.leader_target(gid)
+            if target is None:
+                st.last_problem = f"group {gid} has no known leader"
+                await self._pause(st, "no_leader", remaining, refresh=True)
+                continue
+            st.attempts += 1
+            trace.attempts += 1
+            trace.leader = target.wid
+            attempt = Attempt(sent=True)
+            payload = {"writes": [{"op": writes[i][0], "rid": writes[i][1]} for i in pending], "ack": ack,
+                       "deadline_ms": budget.worker_deadline_ms}
+            self.metrics.write_batches.labels("batch").inc()
+            try:
+                reply = await self._race(self.http.post(target, path, payload, budget.http_timeout_s, gid),
+                                         gid, target, attempt)
+            except (LeaderMoved, AttemptFailed) as exc:
+                await self._after_failure(st, exc, attempt, target, True, remaining)
+                continue
+            if not reply.ok:
+                nxt = self._after_error(st, reply, gid, target, write=True)
+                if nxt is Next.DONE:
+                    for i in pending:
+                        results[i] = reply.body
+                    break
+                await self._retry_pause(st, nxt, remaining)
+                continue
+            items = reply.body.get("results") if isinstance(reply.body, dict) else None
+            if not isinstance(items, list) or len(items) != len(pending):
+                bad = item_reply(None, target, gid).body
+                for i in pending:
+                    results[i] = bad
+                break
+            again: list[int] = []
+            decisions: set[Next] = set()
+            for i, raw in zip(pending, items):
+                r = item_reply(raw, target, gid)
+                if r.ok:
+                    results[i] = {"shard": gid, "seq": r.seq, "term": r.term, "served_by": target.wid,
+                                  "result": r.result}
+                    continue
+                nxt = self._after_error(st, r, gid, target, write=True)
+                if nxt is Next.DONE:
+                    body = r.body
+                    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                        body["error"].setdefault("shard", gid)
+                    results[i] = body
+                else:
+                    again.append(i)
+                    decisions.add(nxt)
+            pending = again
+            if pending:
+                # The most cautious decision of the items wins: refresh > backoff > retry now.
+                nxt = next(n for n in (Next.REFRESH, Next.BACKOFF, Next.RETRY) if n in decisions)
+                await self._retry_pause(st, nxt, remaining)
+        return [r if r is not None else error_body("internal", "no result", shard=gid) for r in results]
+
+    # -- the loop
+
+    async def _run(self, gid: int, send: Send, deadline: float, trace: Trace, *, write: bool,
+                   follower: bool) -> WorkerReply:
+        loop = asyncio.get_running_loop()
+        st = RetryState()
+        start = next(self._rotation) if follower else 0
+        while True:
+            remaining = deadline - loop.time()
+            budget = attempt_budget(remaining)
+            if budget is None:
+                raise self._give_up(st, write, gid)
+            target = self._pick(gid, follower, start + st.attempts)
+            if target is None:
+                st.last_problem = f"group {gid} has no known {'replica' if follower else 'leader'}"
+                await self._pause(st, "no_leader", remaining, refresh=True)
+                continue
+            st.attempts += 1
+            trace.attempts += 1
+            trace.leader = target.wid
+            attempt = Attempt()
+            try:
+                if follower:
+                    reply = await send(target, budget, attempt)
+                else:
+                    reply = await self._race(send(target, budget, attempt), gid, target, attempt)
+            except (LeaderMoved, AttemptFailed) as exc:
+                if follower and not self._cycle_done(gid, st):
+                    self._note_failure(st, exc, attempt, target, write)
+                    continue  # another replica may answer at once
+                await self._after_failure(st, exc, attempt, target, write, remaining)
+                continue
+            if reply.ok:
+                return reply
+            nxt = self._after_error(st, reply, gid, target, write=write and not follower)
+            if follower and nxt is not Next.DONE:
+                # Any retryable refusal from a replica: the next replica; pause after a full round.
+                nxt = Next.BACKOFF if self._cycle_done(gid, st) else Next.RETRY
+            if nxt is Next.DONE:
+                return reply
+            await self._retry_pause(st, nxt, remaining)
+
+    def _pick(self, gid: int, follower: bool, index: int) -> Target | None:
+        if not follower:
+            return self.cache.leader_target(gid)
+        table = self.cache.table
+        replicas = table.replica_targets(gid) if table is not None else ()
+        return replicas[index % len(replicas)] if replicas else None
+
+    def _cycle_done(self, gid: int, st: RetryState) -> bool:
+        table = self.cache.table
+        n = len(table.replica_targets(gid)) if table is not None else 0
+        return n == 0 or st.attempts % n == 0
+
+    async def _race(self, coro: Awaitable[WorkerReply], gid: int, target: Target, attempt: Attempt) -> WorkerReply:
+        """Await the attempt as a task the route cache cancels if meta names another leader.
+
+        A registry entry per attempt (not a wait on a shared "changed" future)
+        keeps the hot path to one task and a set insert.
+        """
+        task = asyncio.ensure_future(coro)
+        attempt.task, attempt.wid = task, target.wid
+        self.cache.track(gid, attempt)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if attempt.moved and task.cancelled() and (me is None or me.cancelling() == 0):
+                now = self.cache.leader_target(gid)
+                raise LeaderMoved(f"meta moved group {gid} from {target.wid} to "
+                                  f"{now.wid if now is not None else 'nobody'}") from None
+            raise
+        finally:
+            self.cache.untrack(gid, attempt)
+            if not task.done():
+                task.cancel()
+
+    def _note_failure(self, st: RetryState, exc: Exception, attempt: Attempt, target: Target, write: bool) -> str:
+        if isinstance(exc, LeaderMoved):
+            reason = "leader_moved"
+            st.last_problem = str(exc)
+            sent = attempt.sent
+        else:
+            assert isinstance(exc, AttemptFailed)
+            reason = exc.kind
+            st.last_problem = exc.detail
+            sent = exc.sent or (attempt.sent and exc.kind != "refused")
+            if exc.kind == "timeout" and not write:
+                st.timed_out = True
+        if write and sent:
+            st.maybe_applied = True
+        st.last_leader = target.wid
+        self.metrics.retries.labels(reason).inc()
+        return reason
+
+    async def _after_failure(self, st: RetryState, exc: Exception, attempt: Attempt, target: Target, write: bool,
+                             remaining: float) -> None:
+        reason = self._note_failure(st, exc, attempt, target, write)
+        if reason == "leader_moved":
+            return  # the new leader is known: go now
+        # Dead or hung leader: ask meta and wait for it to name another (or back off).
+        self.cache.nudge()
+        await self.cache.wait_changed(backoff_s(st.retries, remaining))
+        st.retries += 1
+
+    def _after_error(self, st: RetryState, reply: WorkerReply, gid: int, target: Target, write: bool) -> Next:
+        err = reply.error
+        st.last_term = reply.term if reply.term is not None else st.last_term
+        hinted_other = False
+        if reply.code == "not_leader":
+            self.cache.apply_hint(gid, err.get("leader"), err.get("term"))
+            now = self.cache.leader_target(gid)
+            hinted_other = now is not None and now.wid != target.wid
+            st.last_leader = err.get("leader") if isinstance(err.get("leader"), str) else st.last_leader
+        nxt = after_reply(reply.code, write, hinted_other)
+        if nxt is not Next.DONE:
+            if reply.code == "quorum_timeout":
+                st.maybe_applied = True
+            elif reply.code == "deadline_exceeded":
+                st.timed_out = True
+            st.last_problem = f"{target.wid} answered {reply.code}"
+            self.metrics.retries.labels(str(reply.code)).inc()
+        return nxt
+
+    async def _retry_pause(self, st: RetryState, nxt: Next, remaining: float) -> None:
+        if nxt is Next.RETRY:
+            st.retries += 1
+            return
+        await self._pause(st, None, remaining, refresh=nxt is Next.REFRESH)
+
+    async def _pause(self, st: RetryState, reason: str | None, remaining: float, refresh: bool) -> None:
+        if reason is not None:
+            self.metrics.retries.labels(reason).inc()
+        if refresh:
+            self.cache.nudge()
+        await self.cache.wait_changed(backoff_s(st.retries, remaining))
+        st.retries += 1
+
+    def _give_up(self, st: RetryState, write: bool, gid: int) -> ApiError:
+        err = give_up(st, write, gid)
+        self.metrics.refusals.labels(err.code).inc()
+        return err

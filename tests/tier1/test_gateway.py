@@ -1,0 +1,409 @@
+"""The gateway in-process against fake workers and a fake meta (aiohttp apps on loopback)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
+from topology.routing import shard_for
+
+# Slack on top of a deadline for "answered before the deadline" (scheduling, loopback).
+SLACK_S = 0.08
+
+
+async def test_each_id_goes_to_its_shard_leader(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=3)
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    table = gw.rt.cache.table
+    assert table is not None and table.shard_for("foobar") == 0x85944171F73967E8 % 3 == shard_for("foobar", 3)
+    ids = [f"user-{i}" for i in range(30)] + ["foobar", "a", "é", "a/b"]
+    for id_ in ids:
+        resp = await client.put(f"/items/{id_}", data=orjson.dumps({"n": id_}))
+        assert resp.status == 200, await resp.text()
+        gid = shard_for(id_, 3)
+        leader = ("w1", "w2", "w3")[gid]
+        assert resp.headers["x-shard"] == str(gid) and resp.headers["x-served-by"] == leader
+        assert (await resp.json())["created"] is True
+        [(wid, call)] = [(w, c) for w, c in f.calls() if c.body["op"]["id"] == id_]
+        assert (wid, call.kind, call.gid) == (leader, "write", gid)
+        assert call.body["op"] == {"kind": "put_item", "id": id_, "doc": {"n": id_}}
+        assert call.body["ack"] == "quorum"
+    assert len(f.calls()) == len(ids)
+    got = await client.get("/items/a/b")
+    assert got.status == 200 and await got.json() == {"n": "a/b"}
+    assert got.headers["x-seq"] and got.headers["x-term"] == "1"
+
+
+async def test_not_leader_is_retried_at_the_named_leader_with_the_same_rid(aiohttp_server: Any,
+                                                                            aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+
+    async def refuse(call: Call) -> Answer:
+        return err("not_leader", call.gid, leader="B", term=1)
+
+    f.workers["A"].on = refuse
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resp = await client.put("/items/k", data=b'{"x": 1}', headers={"x-request-id": "req-42"})
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B"
+    assert resp.headers["x-request-id"] == "req-42"
+    [a], [b] = f.workers["A"].calls, f.workers["B"].calls
+    assert a.body["rid"] == b.body["rid"] == "req-42"
+    # The hint sticks: the next write goes straight to B.
+    resp = await client.put("/items/k2", data=b"1")
+    assert resp.status == 200 and len(f.workers["A"].calls) == 1 and len(f.workers["B"].calls) == 2
+
+
+async def test_transfer_hint_at_the_same_term_then_meta_catches_up(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    """During a graceful transfer the old leader names the target at the current term."""
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+    b_ready = asyncio.Event()
+
+    async def a_transferring(call: Call) -> Answer:
+        return err("not_leader", call.gid, leader="B", term=1)
+
+    async def b_leading_soon(call: Call) -> Answer | None:
+        if not b_ready.is_set():
+            return err("not_leader", call.gid, leader="B", term=1)  # names itself: retry here soon
+        return None
+
+    f.workers["A"].on, f.workers["B"].on = a_transferring, b_leading_soon
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def meta_sets_term_2() -> None:
+        await asyncio.sleep(0.15)
+        f.meta.set_leader(0, "B", 2)
+        b_ready.set()
+
+    task = asyncio.create_task(meta_sets_term_2())
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "2000"})
+    await task
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B"
+    rids = {c.body["rid"] for c in f.workers["A"].calls + f.workers["B"].calls}
+    assert len(rids) == 1 and len(f.workers["B"].calls) >= 2
+
+
+async def test_dead_leader_until_meta_names_a_new_one(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    dead = dead_addr()
+    f = await make_fakes(aiohttp_server, shards=1, wids=("B",), extra_addrs={"A": dead})
+    f.meta.set_leader(0, "A", 1)  # A leads but nothing listens there
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def failover() -> None:
+        await asyncio.sleep(0.3)
+        f.meta.set_leader(0, "B", 2)
+
+    task = asyncio.create_task(failover())
+    t0 = time.monotonic()
+    resp = await client.put("/items/k", data=b'{"v": 1}', headers={"x-deadline-ms": "3000", "x-request-id": "r1"})
+    elapsed = time.monotonic() - t0
+    await task
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["x-served-by"] == "B" and resp.headers["x-term"] == "1"
+    assert 0.25 < elapsed < 1.5
+    assert [c.body["rid"] for c in f.workers["B"].calls] == ["r1"]
+
+
+async def test_hung_leader_is_abandoned_when_meta_moves_leadership(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+
+    async def hang(call: Call) -> Answer:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    f.workers["A"].on = hang
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    asyncio.get_running_loop().call_later(0.3, f.meta.set_leader, 0, "B", 2)
+    t0 = time.monotonic()
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "3000"})
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B"
+    assert time.monotonic() - t0 < 1.5
+    assert f.workers["A"].calls[0].body["rid"] == f.workers["B"].calls[0].body["rid"]
+
+
+@pytest.mark.parametrize("method", ["PUT", "GET"])
+async def test_silent_leader_is_refused_before_the_deadline(aiohttp_server: Any, aiohttp_client: Any,
+                                                            method: str) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def hang(call: Call) -> Answer:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    f.workers["A"].on = hang
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    t0 = time.monotonic()
+    resp = await client.request(method, "/items/k", data=b"{}" if method == "PUT" else None,
+                                headers={"x-deadline-ms": "400"})
+    elapsed = time.monotonic() - t0
+    body = await resp.json()
+    assert 0.3 < elapsed < 0.4 + SLACK_S, elapsed
+    assert resp.status == 504
+    # A write that may have reached the leader: outcome unknown. A read: deadline.
+    assert body["error"]["code"] == ("quorum_timeout" if method == "PUT" else "deadline_exceeded")
+    assert body["error"]["shard"] == 0
+    # The worker was told a deadline shorter than the gateway's.
+    assert f.workers["A"].calls[0].body["deadline_ms"] < 400
+
+
+async def test_no_leader_is_503_with_retry_after_before_the_deadline(aiohttp_server: Any,
+                                                                     aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    f.meta.set_leader(0, None, 2)
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    t0 = time.monotonic()
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "300"})
+    elapsed = time.monotonic() - t0
+    assert resp.status == 503 and resp.headers["retry-after"] == "1"
+    assert (await resp.json())["error"]["code"] == "unavailable"
+    assert elapsed < 0.3 + SLACK_S
+    assert f.calls() == []
+    metrics = await (await client.get("/metrics")).text()
+    assert 'shardgrid_gateway_refusals_total{code="unavailable"} 1.0' in metrics
+
+
+async def test_quorum_timeout_is_retried_with_the_same_rid(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    refusals = [2]
+
+    async def slow_quorum(call: Call) -> Answer | None:
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            return err("quorum_timeout", call.gid, leader="A", term=1)
+        return None
+
+    f.workers["A"].on = slow_quorum
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resp = await client.post("/signals", data=b'{"entity": "e", "kind": "clicks", "value": 2}')
+    assert resp.status == 200
+    assert await resp.json() == {"entity": "e", "kind": "clicks", "mode": "incr", "value": 2,
+                                 "seq": int(resp.headers["x-seq"])}
+    assert len({c.body["rid"] for c in f.workers["A"].calls}) == 1 and len(f.workers["A"].calls) == 3
+    assert f.workers["A"].calls[0].body["op"] == {"kind": "signal", "entity": "e", "name": "clicks", "value": 2,
+                                                  "mode": "incr"}
+
+
+async def test_quorum_timeout_until_the_deadline_is_504_outcome_unknown(aiohttp_server: Any,
+                                                                        aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def never(call: Call) -> Answer:
+        await asyncio.sleep(0.05)
+        return err("quorum_timeout", call.gid, leader="A", term=1)
+
+    f.workers["A"].on = never
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    t0 = time.monotonic()
+    resp = await client.delete("/items/k", headers={"x-deadline-ms": "300", "x-request-id": "same"})
+    elapsed = time.monotonic() - t0
+    assert resp.status == 504 and (await resp.json())["error"]["code"] == "quorum_timeout"
+    assert elapsed < 0.3 + SLACK_S
+    assert len(f.workers["A"].calls) >= 3 and {c.body["rid"] for c in f.workers["A"].calls} == {"same"}
+
+
+async def test_search_merges_top_k_across_groups(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=3)
+    f.workers["w1"].search_hits[0] = [{"id": "a", "score": 0.9}, {"id": "d", "score": 0.5}, {"id": "g", "score": 0.1}]
+    f.workers["w2"].search_hits[1] = [{"id": "b", "score": 0.9}, {"id": "c", "score": 0.7}, {"id": "h", "score": 0.5}]
+    f.workers["w3"].search_hits[2] = [{"id": "e", "score": 0.95}, {"id": "ab", "score": 0.5}]
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resp = await client.post("/search", data=orjson.dumps({"vector": [1, 0, 0, 0.5], "k": 5}))
+    assert resp.status == 200
+    body = await resp.json()
+    assert body == {"results": [{"id": "e", "score": 0.95}, {"id": "a", "score": 0.9}, {"id": "b", "score": 0.9},
+                                {"id": "c", "score": 0.7}, {"id": "ab", "score": 0.5}],
+                    "degraded": False, "unavailable_shards": []}
+    # One strong read per group, at its leader.
+    reads = sorted((wid, c.gid, c.body["consistency"], c.body["query"]["k"]) for wid, c in f.calls())
+    assert reads == [("w1", 0, "strong", 5), ("w2", 1, "strong", 5), ("w3", 2, "strong", 5)]
+
+
+async def test_follower_search_and_reads_use_any_replica(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+    f.workers["B"].search_hits[0] = [{"id": "x", "score": 1.0}]
+    f.workers["B"].items[(0, "k")] = {"v": 1}
+
+    async def down(call: Call) -> Answer:
+        return err("unavailable", call.gid)
+
+    f.workers["A"].on = down  # the leader refuses: a follower read moves on to B at once
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    headers = {"x-consistency": "follower", "x-min-seq": "7"}
+    resp = await client.post("/search", data=orjson.dumps({"vector": [1, 0, 0, 0], "k": 3}), headers=headers)
+    assert (await resp.json())["results"] == [{"id": "x", "score": 1.0}]
+    resp = await client.get("/items/k", headers=headers)
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B" and await resp.json() == {"v": 1}
+    point = [c for c in f.workers["B"].calls if c.body["query"]["kind"] == "get_item"]
+    assert point[0].body["consistency"] == "follower" and point[0].body["min_seq"] == 7
+
+
+async def test_search_with_a_silent_group_is_degraded_before_the_deadline(aiohttp_server: Any,
+                                                                          aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=3)
+    f.workers["w1"].search_hits[0] = [{"id": "a", "score": 0.5}]
+    f.workers["w3"].search_hits[2] = [{"id": "c", "score": 0.7}]
+
+    async def hang(call: Call) -> Answer:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    f.workers["w2"].on = hang
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    t0 = time.monotonic()
+    resp = await client.post("/search", data=orjson.dumps({"vector": [1, 1, 1, 1], "k": 10}),
+                             headers={"x-deadline-ms": "400"})
+    elapsed = time.monotonic() - t0
+    assert resp.status == 200 and elapsed < 0.4 + SLACK_S
+    assert await resp.json() == {"results": [{"id": "c", "score": 0.7}, {"id": "a", "score": 0.5}],
+                                 "degraded": True, "unavailable_shards": [1]}
+
+
+async def test_batch_is_one_write_batch_per_shard_with_results_in_order(aiohttp_server: Any,
+                                                                       aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=3)
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    writes: list[dict[str, Any]] = []
+    for i in range(12):
+        writes.append({"op": "put_item", "id": f"i{i}", "doc": {"i": i}})
+    writes.append({"op": "signal", "entity": "i1", "kind": "views", "value": 3})
+    writes.append({"op": "signal", "entity": "i1", "kind": "color", "value": 7, "mode": "set"})
+    writes.append({"op": "put_embedding", "id": "i2", "vector": [0.1, 0.2, 0.3, 0.4]})
+    writes.append({"op": "delete_embedding", "id": "i2"})
+    writes.append({"op": "delete_item", "id": "i3"})
+    resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": "B1"})
+    assert resp.status == 200
+    results = (await resp.json())["results"]
+    assert len(results) == len(writes)
+    keys = [str(w.get("id") or w.get("entity")) for w in writes]
+    for w, key, r in zip(writes, keys, results):
+        assert r["shard"] == shard_for(key, 3) and r["served_by"] == ("w1", "w2", "w3")[r["shard"]]
+    assert [r["result"] for r in results[:12]] == [{"id": f"i{i}", "created": True} for i in range(12)]
+    assert [r["result"] for r in results[12:]] == [3, 7, {"id": "i2", "created": True},
+                                                  {"id": "i2", "deleted": True}, {"id": "i3", "deleted": True}]
+    batches = [(wid, c) for wid, c in f.calls()]
+    assert all(c.kind == "write_batch" for _, c in batches)
+    assert sorted(c.gid for _, c in batches) == sorted({shard_for(k, 3) for k in keys})  # one call per shard
+    rids = sorted(w["rid"] for _, c in batches for w in c.body["writes"])
+    assert rids == sorted(f"B1#{i}" for i in range(len(writes)))
+
+
+async def test_batch_items_refused_by_a_moving_leader_are_retried(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+
+    async def moved(call: Call) -> Answer:
+        return err("not_leader", call.gid, leader="B", term=2)
+
+    f.workers["A"].on = moved
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    writes = [{"op": "put_item", "id": f"k{i}", "doc": i} for i in range(5)]
+    resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": "R"})
+    results = (await resp.json())["results"]
+    assert [r["served_by"] for r in results] == ["B"] * 5
+    assert [w["rid"] for w in f.workers["B"].calls[0].body["writes"]] == [f"R#{i}" for i in range(5)]
+
+
+async def test_concurrent_writes_to_a_busy_group_are_coalesced(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def slow(call: Call) -> Answer | None:
+        await asyncio.sleep(0.1)
+        return None
+
+    f.workers["A"].on = slow
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resps = await asyncio.gather(*(client.put(f"/items/k{i}", data=orjson.dumps(i)) for i in range(10)))
+    assert [r.status for r in resps] == [200] * 10
+    kinds = [c.kind for c in f.workers["A"].calls]
+    assert kinds[0] == "write" and "write_batch" in kinds and len(kinds) < 10
+    sent = sum(len(c.body["writes"]) if c.kind == "write_batch" else 1 for c in f.workers["A"].calls)
+    assert sent == 10 and {f.workers["A"].items[(0, f"k{i}")] for i in range(10)} == set(range(10))
+
+
+async def test_single_entity_answers_and_worker_errors(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=2, wids=("w1", "w2"), dim=3)
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    missing = await client.get("/items/nope")
+    assert missing.status == 404 and (await missing.json())["error"]["code"] == "not_found"
+    assert missing.headers["x-served-by"] in ("w1", "w2") and "x-request-id" in missing.headers
+    assert (await client.delete("/items/nope")).status == 404
+    assert (await client.put("/embeddings/e1", data=b'{"vector": [1, 2.5, -3]}')).status == 200
+    got = await client.get("/embeddings/e1")
+    assert await got.json() == {"id": "e1", "vector": [1, 2.5, -3]}
+    deleted = await client.delete("/embeddings/e1")
+    assert await deleted.json() == {"id": "e1", "deleted": True, "seq": int(deleted.headers["x-seq"])}
+    await client.post("/signals", data=b'{"entity": "u", "kind": "n", "value": 1.5}')
+    await client.post("/signals", data=b'{"entity": "u", "kind": "last", "value": -1, "mode": "set"}')
+    sig = await client.get("/signals/u")
+    assert await sig.json() == {"entity": "u", "counters": {"n": 1.5}, "last": {"last": -1}}
+    health = await (await client.get("/healthz")).json()
+    assert health == {"ok": True, "revision": 1, "shards": 2, "groups_without_ready_leader": []}
+
+
+async def test_keeps_working_when_the_first_meta_address_is_down(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+    client, gw = await start_gateway(aiohttp_client, [dead_addr(), f.meta_addr])
+    assert (await client.put("/items/k", data=b"1")).status == 200
+    # Watch updates still flow through the live meta node.
+    f.meta.set_leader(0, "B", 2)
+    for _ in range(100):
+        target = gw.rt.cache.leader_target(0)
+        if target is not None and target.wid == "B":
+            break
+        await asyncio.sleep(0.01)
+    resp = await client.put("/items/k", data=b"2")
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B"
+
+
+async def test_operator_verbs_are_proxied_to_meta(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=2, wids=("w1", "w2"))
+    f.meta.view["workers"]["w1"].update(live=True, report={"groups": {"0": {"commit": 10, "applied": 10},
+                                                                      "1": {"commit": 9, "applied": 7}}})
+    f.meta.view["workers"]["w2"].update(live=False, report={"groups": {"1": {"commit": 12, "applied": 12,
+                                                                             "last_seq": 12}}})
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr], admin_token="tok")
+    auth = {"Authorization": "Bearer tok"}
+    assert (await client.post("/cluster/shards/1/transfer", data=b'{"to": "w1"}')).status == 401
+    assert f.meta.verbs == []
+    resp = await client.post("/cluster/shards/1/transfer", data=b'{"to": "w1"}', headers=auth)
+    assert resp.status == 501 and (await resp.json())["error"]["code"] == "not_implemented"
+    f.meta.verb_answer = (202, {"accepted": True})
+    resp = await client.post("/cluster/shards/0/replicas", data=b'{"add": "w4"}', headers=auth)
+    assert resp.status == 202 and await resp.json() == {"accepted": True}
+    assert f.meta.verbs == [("POST", "/v1/groups/1/transfer", b'{"to": "w1"}', "Bearer tok"),
+                            ("POST", "/v1/groups/0/replicas", b'{"add": "w4"}', "Bearer tok")]
+    assert (await client.post("/cluster/shards/x/transfer", headers=auth)).status == 400
+    status = await (await client.get("/cluster/status", headers=auth)).json()
+    assert status["workers"]["w1"]["live"] is True and status["workers"]["w2"]["live"] is False
+    assert status["liveness_known"] is True and status["gateway"] == {"routing_revision": 1}
+    shards = (await (await client.get("/cluster/shards", headers=auth)).json())["shards"]
+    g1 = shards[1]
+    assert (g1["id"], g1["leader"], g1["term"], g1["ready"]) == (1, "w2", 1, True)
+    assert [(r["worker"], r["role"], r["live"], r["lag"]) for r in g1["replicas"]] == \
+        [("w1", "voter", True, 5), ("w2", "voter", False, 0)]
+    assert [r["lag"] for r in shards[0]["replicas"]] == [0, None]
+
+
+async def test_access_log_line(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    log = RecordingLog()
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr], log=log, access_log=True)
+    await client.put("/items/k", data=b"1", headers={"x-request-id": "log-me"})
+    await client.put("/items/", data=b"1")
+    access = [fields for level, event, fields in log.lines if event == "access"]
+    assert access[0] == {"method": "PUT", "route": "/items/{id}", "status": 200, "shard": 0, "leader": "A",
+                         "attempts": 1, "outcome": "ok", "ms": access[0]["ms"], "rid": "log-me"}
+    assert access[1]["status"] == 400 and access[1]["outcome"] == "bad_request" and access[1]["attempts"] == 0
+
+
+async def test_no_access_log_means_no_per_request_info_lines(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    log = RecordingLog()
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr], log=log, access_log=False)
+    before = len(log.lines)
+    for i in range(5):
+        assert (await client.put(f"/items/k{i}", data=b"1")).status == 200
+        assert (await client.get(f"/items/k{i}")).status == 200
+    assert [ln for ln in log.lines[before:] if ln[0] != "debug"] == []
