@@ -17,6 +17,7 @@ import asyncio
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -121,6 +122,10 @@ async def wait_http_ok(urls: list[str], deadline_s: float) -> None:
                 await asyncio.sleep(0.1)
 
 
+class PortsBusy(Exception):
+    pass
+
+
 @dataclass
 class LocalCluster:
     """Meta nodes, workers and gateways of one topology as child processes."""
@@ -146,7 +151,26 @@ class LocalCluster:
         self.say(f"started {name} (pid {child.pid}), log {child.log_path}")
         return child
 
+    def addresses(self) -> list[str]:
+        topo = self.topo
+        return [*(m.raft for m in topo.meta), *(m.http for m in topo.meta), *(w.http for w in topo.workers),
+                *self.gateways]
+
+    def check_ports_free(self) -> None:
+        """Fail fast, by name, when another process holds one of our ports."""
+        busy = []
+        for addr in self.addresses():
+            host, _, port = addr.rpartition(":")
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, int(port)))
+                except OSError:
+                    busy.append(addr)
+        if busy:
+            raise PortsBusy(f"in use already (another cluster running?): {', '.join(busy)}")
+
     def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        self.check_ports_free()
         self.data.mkdir(parents=True, exist_ok=True)
         secret = ensure_secret(self.data / "cluster.secret")
         topo = self.topo
@@ -231,7 +255,7 @@ def run_dev(opts: DevOptions) -> int:
                 break
             time.sleep(0.2)
         return 0 if not cluster.dead_children() else 1
-    except (TimeoutError, MetaUnreachable) as exc:
+    except (TimeoutError, MetaUnreachable, PortsBusy) as exc:
         _say(f"shardgrid dev: {exc}")
         return 1
     finally:

@@ -81,18 +81,20 @@ class Cluster:
     root: Path
     meta: list[MetaSpec]
     workers: list[tuple[str, str, str]]  # (id, http, zone) declared in the topology
+    gateways: list[str] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3) -> "Cluster":
-        ports = free_ports(2 * n_meta + n_workers)
+    def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3, n_gateways: int = 0) -> "Cluster":
+        ports = free_ports(2 * n_meta + n_workers + n_gateways)
         meta = [MetaSpec(f"m{i + 1}", f"127.0.0.1:{ports[2 * i]}", f"127.0.0.1:{ports[2 * i + 1]}")
                 for i in range(n_meta)]
         zones = "abc"
         workers = [(f"w{i + 1}", f"127.0.0.1:{ports[2 * n_meta + i]}", zones[i % 3]) for i in range(n_workers)]
+        gateways = [f"127.0.0.1:{p}" for p in ports[2 * n_meta + n_workers:]]
         root.mkdir(parents=True, exist_ok=True)
         (root / "cluster.secret").write_text("tier3-test-secret\n")
-        return cls(root, meta, workers)
+        return cls(root, meta, workers, gateways=gateways)
 
     # -- topology ------------------------------------------------------------------
 
@@ -169,6 +171,17 @@ class Cluster:
                 child = self._worker_child(wid)
                 child.start()
                 self.children[wid] = child
+
+    def start_gateways(self) -> None:
+        for i, addr in enumerate(self.gateways):
+            name = f"g{i + 1}"
+            child = Child(name, [sys.executable, "-m", "shardgrid.cli", "gateway", "--http", addr,
+                                 "--meta", self.meta_addrs], self.root / "logs" / f"{name}.log")
+            child.start()
+            self.children[name] = child
+        for addr in self.gateways:
+            wait_until(lambda: http_json("GET", f"http://{addr}/healthz", timeout=1.0)[0] == 200, 20.0,
+                       f"gateway {addr} to answer")
 
     def worker_addr(self, wid: str) -> str:
         return next(h for w, h, _ in self.workers if w == wid)

@@ -1,0 +1,133 @@
+"""Through two real gateways: concurrent writes and reads, transfer and replica changes under load."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.support.cluster import Cluster, http_json, wait_until
+from tests.support.history import check_acknowledged, check_linearizable
+from tests.support.load import LoadGenerator, LoadResult, final_state
+
+pytestmark = pytest.mark.tier3
+
+GROUPS = [(0, "w1", ["w1", "w2", "w3"]), (1, "w2", ["w1", "w2", "w3"]), (2, "w3", ["w1", "w2", "w3"])]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
+    try:
+        c.start_meta()
+        c.wait_leader()
+        res = c.topoctl("apply", str(c.write_topology(c.topology_yaml(snapshot_every=100, groups=GROUPS))))
+        assert res.returncode == 0, res.stderr
+        c.start_workers()
+        c.wait_groups_ready(timeout=30)
+        c.start_gateways()
+        yield c
+    finally:
+        c.close()
+
+
+def run_load(c: Cluster, gen: LoadGenerator, out: list[LoadResult]) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(asyncio.run(gen.run(max_seconds=120))), daemon=True)
+    t.start()
+    return t
+
+
+def verify(c: Cluster, result: LoadResult) -> None:
+    items, counters = asyncio.run(final_state(c.gateways[0], result))
+    acked = check_acknowledged(result.history, items, counters)
+    assert acked.ok, acked.details()
+    strong = [op for op in result.history]
+    lin = check_linearizable(strong)
+    assert lin.ok, lin.details()
+    print(f"\n{result.summary()}\n{acked.summary()}\n{lin.summary()}")
+
+
+def test_concurrent_load_through_two_gateways(cluster: Cluster) -> None:
+    gen = LoadGenerator(cluster.gateways, clients=12, ops_per_client=60, seed=7)
+    result = asyncio.run(gen.run(max_seconds=90))
+    assert sum(result.errors.values()) == 0, result.errors
+    assert result.acked_writes >= 12 * 60 * 0.5
+    verify(cluster, result)
+
+
+def test_transfer_and_replica_moves_under_load_are_invisible_to_clients(cluster: Cluster) -> None:
+    c = cluster
+    gw = f"http://{c.gateways[0]}"
+    gen = LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=11)
+    out: list[LoadResult] = []
+    t = run_load(c, gen, out)
+    try:
+        wait_until(lambda: len(gen.result.history) > 300, 30, "load to get going")
+        # Transfer every group in turn through the gateway's operator verb.
+        for gid in range(3):
+            before = c.view()["groups"][str(gid)]
+            code, body = http_json("POST", f"{gw}/cluster/shards/{gid}/transfer", {}, timeout=20)
+            assert code == 200, body
+            assert body["old_term"] == before["term"] and body["new_leader"] != before["leader"], body
+        # A fourth worker joins group 1 from a snapshot and is promoted; then the old leader leaves.
+        code, body = http_json("POST", f"{gw}/cluster/shards/1/replicas", {"add": "w4"}, timeout=10)
+        assert code == 202, body
+        wait_until(lambda: "w4" in c.view()["groups"]["1"]["voters"], 60, "w4 to be promoted in group 1",
+                   interval=0.3)
+        assert "snapshot_downloaded" in (c.root / "logs" / "w4.log").read_text()
+        leaving = c.view()["groups"]["1"]["leader"]
+        code, body = http_json("POST", f"{gw}/cluster/shards/1/replicas", {"remove": leaving}, timeout=10)
+        assert code == 202, body
+        wait_until(lambda: leaving not in c.view()["groups"]["1"]["voters"] and not c.view()["operators"], 60,
+                   f"{leaving} to leave group 1", interval=0.3)
+        n = len(gen.result.history)
+        wait_until(lambda: len(gen.result.history) > n + 200, 30, "load to continue after the moves")
+    finally:
+        gen.stop.set()
+        t.join(60)
+    result = out[0]
+    assert sum(result.errors.values()) == 0, f"client-visible errors: {result.errors}"
+    verify(c, result)
+    code, shards = http_json("GET", f"{gw}/cluster/shards")
+    assert code == 200 and {s["id"] for s in shards["shards"]} == {0, 1, 2}
+
+
+def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "shardgrid.cli", "dev", "--data", str(tmp_path / "dev"),
+                             "--fresh"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    try:
+        def reader() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+        threading.Thread(target=reader, daemon=True).start()
+        wait_until(lambda: any("Ctrl-C stops everything" in ln for ln in lines), 90, "shardgrid dev to be up",
+                   interval=0.2)
+        out = "".join(lines)
+        assert "gateway:  http://127.0.0.1:8080" in out and "curl" in out
+        code, body = http_json("PUT", "http://127.0.0.1:8080/items/hello", {"greeting": "hi"}, timeout=5)
+        assert code == 200, body
+        assert http_json("GET", "http://127.0.0.1:8080/items/hello", timeout=5) == (200, {"greeting": "hi"})
+        vec = [0.25] * 64
+        assert http_json("PUT", "http://127.0.0.1:8080/embeddings/e1", {"vector": vec}, timeout=5)[0] == 200
+        code, found = http_json("POST", "http://127.0.0.1:8080/search", {"vector": vec, "k": 1}, timeout=10)
+        assert code == 200 and found["results"][0]["id"] == "e1" and found["degraded"] is False
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - started < 20
+        wait_until(lambda: any("stopped:" in ln for ln in lines), 5, "the stop summary")
+        stopped = next(ln for ln in lines if ln.startswith("stopped:"))
+        assert all(part.strip().endswith("=0") for part in stopped[len("stopped:"):].split(",")), stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
