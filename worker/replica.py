@@ -170,7 +170,6 @@ class _Transfer:
 class _Leadership:
     """Everything that exists only while this replica leads its term."""
 
-    view: MetaView
     quorums: tuple[tuple[str, ...], ...]  # Begin needs a majority of each
     begin_to: tuple[str, ...]
     phase: str = _BEGIN
@@ -598,7 +597,7 @@ class Replica:
             # already be committed, so its voters must be asked too.
             quorums.append(lc[1].voters)
         ask = tuple(dict.fromkeys(v for q in quorums for v in q if v != self._id))
-        lead = _Leadership(view=view, quorums=tuple(quorums), begin_to=ask)
+        lead = _Leadership(quorums=tuple(quorums), begin_to=ask)
         lead.promised[self._id] = (self.last_term, self.last_seq)
         self._lead = lead
         if not self._begin_round_required():
@@ -690,10 +689,14 @@ class Replica:
             return
         miss = self._mismatch(m.prev_seq, m.prev_term)
         if miss is not None:
-            self._send(FetchReply(**env, ok=False, prev_seq=m.prev_seq, hint_seq=miss[0], hint_term=miss[1]))
+            self._send(
+                FetchReply(
+                    **env, ok=False, prev_seq=m.prev_seq, prev_term=m.prev_term, hint_seq=miss[0], hint_term=miss[1]
+                )
+            )
             return
         batch = self.entries(m.prev_seq + 1, m.prev_seq + self._cfg.max_batch_entries)
-        self._send(FetchReply(**env, ok=True, prev_seq=m.prev_seq, entries=tuple(batch)))
+        self._send(FetchReply(**env, ok=True, prev_seq=m.prev_seq, prev_term=m.prev_term, entries=tuple(batch)))
 
     def _on_fetch_reply(self, m: FetchReply) -> None:
         lead = self._lead
@@ -703,8 +706,9 @@ class Replica:
             or lead.phase != _FETCH
             or m.src != lead.fetch_src
             or m.prev_seq != lead.fetch_prev
+            or m.prev_term != (self.term_at(m.prev_seq) or 0)
         ):
-            return
+            return  # not the answer to our current question
         if m.ok:
             self._merge(m.entries)
             lead.fetch_prev = m.prev_seq + len(m.entries)

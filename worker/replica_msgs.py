@@ -138,7 +138,8 @@ class Fetch(Message):
 @dataclass(slots=True, frozen=True, kw_only=True)
 class FetchReply(Message):
     ok: bool
-    prev_seq: int
+    prev_seq: int  # echoed with prev_term: the fetcher's log may change
+    prev_term: int  # between two Fetches at the same seq (snapshot install)
     entries: tuple[Entry, ...] = ()
     hint_seq: int = 0  # on mismatch: back up to at most here (see Raft §5.3)
     hint_term: int = 0

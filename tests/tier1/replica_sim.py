@@ -6,7 +6,8 @@ handle() call; it raises `SimViolation` at the first breach.
 
 What is modelled
 ----------------
-* network: per-message random delay (so reordering), loss, duplication,
+* network: per-message random delay (so reordering) with an optional heavy
+  tail, loss, duplication,
   partitions that come and go (checked when a message is sent);
 * disk, per replica: `durable` state plus the Persists performed but not yet
   fsynced.  The shell contract is followed literally: pending Persists are
@@ -15,9 +16,13 @@ What is modelled
   what was written, a power loss drops it.  Restart builds a new Replica
   from the durable state;
 * meta: (term, leader, voters, learners, conf_ver); compare-and-sets a new
-  term naming ANY voter (even a lagging or just-restarted one), delivers
-  views late, lost, duplicated and occasionally stale; handles TransferReady
-  and records config entries as they are applied;
+  term naming ANY voter -- at random, the stalest one or the one with the
+  newest (maybe unreplicated) tail -- delivers views late, lost, duplicated
+  and occasionally stale; fails over when no leader is ready; handles
+  TransferReady and records config entries as they are applied;
+* a nemesis aimed at leaders: cut off right after appending its term start
+  (a failover that dies at birth) or a client write, right after committing
+  something, or soon after being named;
 * clients: writes with unique values and rids (ack quorum / all / leader),
   retried with the same rid elsewhere after not_leader / quorum_timeout /
   silence; strong and follower reads; transfers; membership changes;
@@ -34,12 +39,21 @@ Invariants (checked incrementally)
 * the committed log `C` is what replicas have applied (Apply effects that
   were performed); a replica never applies anything that disagrees with it
   (state machine safety), applies in order, and never truncates an entry of
-  it; a replica that reports ready holds all of it (leader completeness);
+  it;
+* leader completeness: a leader's log holds all of C when its Begin round
+  adopts a log (it appends its term start) and when it reports ready;
+* commit survival, i.e. what "committed" means: whenever C grows, every
+  majority of meta's voters, if it answered a Begin round now, would make
+  the leader adopt a log holding all of C.  This flags an unsafe commit
+  (Raft Figure 8, an ack before fsync) before anybody overwrites it;
 * every write acknowledged with ack=quorum|all is in C at the seq it was
   acknowledged with, and at the end exactly once; no rid is in C twice;
 * a strong read is served at a state that includes every quorum write
   acknowledged before the read was issued; a follower read honours min_seq.
 At the end everything heals and the group must converge within a bound.
+
+Seeds draw one of two profiles: "mixed" (every knob varies) or "failover"
+(a storm of short-lived leaders on three replicas with tiny batches).
 """
 from __future__ import annotations
 
@@ -84,6 +98,11 @@ GROUP = 0
 
 class SimViolation(AssertionError):
     pass
+
+
+def leads(r: Replica) -> bool:
+    """Acting as the leader of its term, ready or still starting it."""
+    return r.role in ("leader", "candidate")
 
 
 def entry_hash(prev: int, e: Entry) -> int:
@@ -185,10 +204,9 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
     if profile is None:
         profile = "failover" if rng.random() < 0.3 else "mixed"
     if profile == "failover":
-        n = 3
         return Params(
-            nodes=n,
-            voters=n,
+            nodes=3,
+            voters=3,
             chaos_ms=rng.randint(1500, 2500),
             step_ms=(4, 16),
             delay=(1, rng.choice((5, 15))),
@@ -293,6 +311,7 @@ class Sim:
         raise SimViolation(f"seed {self.seed} t={self.now}: {text}")
 
     def run(self) -> None:
+        self.log(f"PARAMS {self.p}")
         for n in self.names:
             self.start(self.nodes[n])
         self.meta_cas(self.m_voters[0])
@@ -372,7 +391,7 @@ class Sim:
             if t is Persist:
                 self.shadow_persist(node, eff)
                 node.pending.append(eff)
-                if r._lead is not None and eff.entries and self.strike_after_append(r, eff):
+                if eff.entries and leads(r) and self.strike_after_append(r, eff):
                     self.isolate(node.name)
                 continue
             if node.pending:
@@ -383,7 +402,7 @@ class Sim:
                 self.net_send(node, eff.msg)
             elif t is Apply:
                 self.on_apply(node, eff.entries)
-                if r._lead is not None and self.nemesis_roll(0.2):
+                if leads(r) and self.nemesis_roll(0.2):
                     # ... or dies right after committing something.
                     self.isolate(node.name)
             elif t is Reply:
@@ -478,7 +497,7 @@ class Sim:
                 self.fail(f"{node.name} appends seq {e.seq} after {len(h) - 1}")
             if e.kind == "term_start":
                 r = node.replica
-                if r is not None and r._lead is not None and e.term == r.term:
+                if r is not None and leads(r) and e.term == r.term:
                     # Our own term start: the log adopted by the Begin round
                     # must already hold everything committed (leader
                     # completeness, checked before the leader is even ready).
@@ -496,7 +515,7 @@ class Sim:
         if r.term < node.term_seen:
             self.fail(f"{node.name} term went back {node.term_seen} -> {r.term}")
         node.term_seen = r.term
-        if r._lead is not None:
+        if leads(r):
             who = self.leader_of.setdefault(r.term, node.name)
             if who != node.name:
                 self.fail(f"two leaders in term {r.term}: {who} and {node.name}")
@@ -609,7 +628,9 @@ class Sim:
         if node is not None:
             self.deliver(node, m)
 
-    def partition(self, _: Any) -> None:
+    def partition(self) -> None:
+        if self.cut:
+            return
         names = list(self.names)
         self.rng.shuffle(names)
         k = self.rng.randint(1, len(names) // 2)
@@ -838,39 +859,51 @@ class Sim:
     # ------------------------------------------------------------------
     # the chaos driver
 
+    # What the driver does each step, by weight; the rest of the time nothing.
+    ACTIONS: tuple[tuple[float, str], ...] = (
+        (45, "client_write"),
+        (15, "strong_read"),
+        (5, "follower_read"),
+        (3, "crash_one"),
+        (2.5, "partition"),
+        (2, "transfer"),
+        (6, "membership"),
+        (2, "compact"),
+    )
+
     def drive(self, _: Any) -> None:
         if self.converging:
             return
         rng = self.rng
-        x = rng.random()
-        if x < 0.45:
-            self.client_write()
-        elif x < 0.60:
-            self.client_read(strong=True)
-        elif x < 0.65:
-            self.client_read(strong=False)
-        elif x < 0.68:
-            pass
-        elif x < 0.71:
-            down = sum(1 for n in self.nodes.values() if n.replica is None)
-            if down < 2:
-                self.crash(self.nodes[rng.choice(self.names)])
-        elif x < 0.735:
-            if not self.cut:
-                self.partition(None)
-        elif x < 0.755:
-            self.transfer()
-        elif x < 0.785:
-            self.membership()
-        elif x < 0.805:
-            node = self.nodes[rng.choice(self.names)]
-            if node.replica is not None:
-                self.deliver(node, Compact(node.replica.applied_seq))
+        x = rng.random() * 100
+        for weight, action in self.ACTIONS:
+            if x < weight:
+                getattr(self, action)()
+                break
+            x -= weight
         if rng.random() < self.p.meta_rate:
             self.meta_cas(self.adversarial_pick(self.m_voters))
         self.meta_failover()
         lo, hi = self.p.step_ms
         self.at(self.now + rng.randint(lo, hi), self.drive)
+
+    def strong_read(self) -> None:
+        self.client_read(strong=True)
+
+    def follower_read(self) -> None:
+        self.client_read(strong=False)
+
+    def crash_one(self) -> None:
+        if sum(1 for n in self.nodes.values() if n.replica is None) < 2:
+            self.crash(self.nodes[self.rng.choice(self.names)])
+
+    def compact(self) -> None:
+        """The plugin snapshotted at some applied seq (not always the
+        latest: the replica must then rebuild the dedup table as of it)."""
+        node = self.nodes[self.rng.choice(self.names)]
+        r = node.replica
+        if r is not None and r.applied_seq > r.snapshot_seq:
+            self.deliver(node, Compact(self.rng.randint(r.snapshot_seq + 1, r.applied_seq)))
 
     def transfer(self) -> None:
         if self.m_leader is None:

@@ -21,7 +21,7 @@ def roundtrip(msg: m.Message) -> m.Message:
 def test_every_message_type_round_trips() -> None:
     msgs = [
         m.Begin(**ENV), m.BeginOk(**ENV, last_term=2, last_seq=9, commit=8), m.StaleTerm(**ENV),
-        m.Fetch(**ENV, prev_term=2, prev_seq=4), m.FetchReply(**ENV, ok=True, prev_seq=4, entries=ENTRIES),
+        m.Fetch(**ENV, prev_term=2, prev_seq=4), m.FetchReply(**ENV, ok=True, prev_seq=4, prev_term=2, entries=ENTRIES),
         m.Append(**ENV, prev_term=3, prev_seq=9, entries=ENTRIES, commit=9),
         m.AppendReply(**ENV, ok=False, prev_seq=9, match=0, hint_seq=5, hint_term=2),
         m.Heartbeat(**ENV, commit=4, round=7), m.HeartbeatReply(**ENV, round=7),

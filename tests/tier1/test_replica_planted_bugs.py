@@ -6,11 +6,13 @@ ordinary seeded simulation finds it among the first few hundred seeds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.tier1.replica_sim import SimViolation, run_seed
 from worker.replica import Replica
-from worker.replica_msgs import Message, Persist, Send
+from worker.replica_msgs import Message, Persist, Send, SnapshotMeta
 
 BUDGET = 300
 
@@ -42,6 +44,14 @@ class AcksBeforePersist(Replica):
         out.append(Send(msg))
 
 
+class ForgetsDedupInSnapshots(Replica):
+    """Compaction drops the request-id table: a write retried at a replica
+    restored from a snapshot is appended a second time."""
+
+    def _snapshot_meta_at(self, seq: int) -> SnapshotMeta:
+        return dataclasses.replace(super()._snapshot_meta_at(seq), dedup=())
+
+
 def first_failure(cls: type[Replica]) -> tuple[int, str] | None:
     for seed in range(BUDGET):
         try:
@@ -52,7 +62,11 @@ def first_failure(cls: type[Replica]) -> tuple[int, str] | None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cls", [CountsOldTermEntries, SkipsBeginRound, AcksBeforePersist], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [CountsOldTermEntries, SkipsBeginRound, AcksBeforePersist, ForgetsDedupInSnapshots],
+    ids=lambda c: c.__name__,
+)
 def test_planted_bug_is_caught(cls: type[Replica]) -> None:
     found = first_failure(cls)
     assert found is not None, f"{cls.__name__} survived {BUDGET} seeds"

@@ -1,7 +1,7 @@
 """Seeded simulations of worker/replica.py (see tests/tier1/replica_sim.py).
 
     SHARDGRID_SIM_SEEDS=N   how many seeds `test_seeds` runs (default 2000)
-    SHARDGRID_SIM_SEED=S    the seed `test_replay` runs, with a full trace
+    SHARDGRID_SIM_SEED=S    `test_seeds` runs only seed S, with a full trace
 
 A failing seed is a bug in the replica (or the simulator), never a seed to
 skip: replay it, read the trace, fix the cause.
@@ -15,24 +15,23 @@ import pytest
 from tests.tier1.replica_sim import SimViolation, run_seed
 
 SEEDS = int(os.environ.get("SHARDGRID_SIM_SEEDS", "2000"))
-REPLAY_HINT = "SHARDGRID_SIM_SEED={seed} .venv/bin/pytest -q tests/tier1/test_replica_sim.py -k replay"
+REPLAY_HINT = "SHARDGRID_SIM_SEED={seed} .venv/bin/pytest -q -s tests/tier1/test_replica_sim.py -k seeds"
+REPLAY = os.environ.get("SHARDGRID_SIM_SEED")
 
 
 @pytest.mark.timeout(900)
-def test_seeds() -> None:
+def test_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    if REPLAY is not None:
+        with capsys.disabled():  # the trace is the point of a replay
+            sim = run_seed(int(REPLAY), verbose=True)
+            print(f"seed {REPLAY} passed: {dict(sim.stats)}")
+        return
     for seed in range(SEEDS):
         try:
             run_seed(seed)
         except SimViolation as exc:
             print(REPLAY_HINT.format(seed=seed))
             pytest.fail(f"{exc}\nreplay: {REPLAY_HINT.format(seed=seed)}", pytrace=False)
-
-
-@pytest.mark.skipif("SHARDGRID_SIM_SEED" not in os.environ, reason="set SHARDGRID_SIM_SEED to replay one seed")
-def test_replay() -> None:
-    seed = int(os.environ["SHARDGRID_SIM_SEED"])
-    sim = run_seed(seed, verbose=True)
-    print(f"seed {seed} passed: {dict(sim.stats)}")
 
 
 def test_runs_exercise_the_protocol() -> None:
