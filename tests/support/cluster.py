@@ -83,6 +83,8 @@ class Cluster:
     workers: list[tuple[str, str, str]]  # (id, http, zone) declared in the topology
     gateways: list[str] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
+    # Worker id -> the address peers dial instead of its listen address (a proxy).
+    advertise: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3, n_gateways: int = 0) -> "Cluster":
@@ -163,6 +165,8 @@ class Cluster:
         _, http, zone = next(w for w in self.workers if w[0] == wid)
         argv = [sys.executable, "-m", "shardgrid.cli", "worker", "--id", wid, "--http", http,
                 "--meta", self.meta_addrs, "--data", str(self.root / "workers" / wid), "--zone", zone]
+        if wid in self.advertise:
+            argv += ["--advertise", self.advertise[wid]]
         return Child(wid, argv, self.root / "logs" / f"{wid}.log")
 
     def start_workers(self, ids: list[str] | None = None) -> None:
