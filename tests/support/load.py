@@ -81,7 +81,7 @@ class LoadGenerator:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError:
             parsed = None
-        if status >= 300:
+        if status >= 300 and not (method == "GET" and status == 404):  # not found is a read's answer
             code = parsed.get("error", {}).get("code", str(status)) if isinstance(parsed, dict) else str(status)
             self.result.errors[code] += 1
         return status, parsed

@@ -239,3 +239,72 @@ def test_7_majority_crash_fails_cleanly_then_recovers(cluster: Cluster) -> None:
     finally:
         result = load.finish()
     judge(c, result, "majority-crash", f"outage={outage:.1f}s errors={dict(result.errors)}")
+
+
+def test_4_slow_follower_and_flapping_link(tmp_path: Path) -> None:
+    from tests.support.toxiproxy import configure_client, toxiproxy_url
+
+    c = Cluster.create(tmp_path / "cluster", n_workers=3, n_gateways=2)
+    with toxiproxy_url() as url:
+        tp = configure_client(url)
+        (proxy_port,) = free_ports(1)
+        proxy = tp.create(upstream=c.worker_addr("w3"), name=f"w3-{proxy_port}", listen=f"127.0.0.1:{proxy_port}")
+        # Peers and gateways reach w3 only through the proxy.
+        c.advertise["w3"] = proxy.listen
+        try:
+            boot(c)
+            # w3 is to be a slow *follower*: hand its leadership to w1 first.
+            code, body = http_json("POST", f"http://{c.gateways[0]}/cluster/shards/2/transfer", {"to": "w1"},
+                                   timeout=20)
+            assert code == 200, body
+            load = Background(LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=41))
+            try:
+                load.wait_more(200)
+                base = len(load.gen.result.latencies_ms)
+                for stream in ("downstream", "upstream"):
+                    proxy.add_toxic(type="latency", stream=stream, attributes={"latency": 200})
+                t0 = time.monotonic()
+                assert http_json("GET", f"http://{proxy.listen}/healthz", timeout=5)[0] == 200
+                assert time.monotonic() - t0 >= 0.35, "the latency toxic is not in the path to w3"
+                acked = load.acked()
+                wait_until(lambda: load.acked() >= acked + 200, 30.0, "writes acknowledged with a slow follower")
+                slow = sorted(load.gen.result.latencies_ms[base:])
+                slow_p99 = slow[int(len(slow) * 0.99)] if slow else 0.0
+                for stream in ("downstream", "upstream"):
+                    proxy.destroy_toxic(f"latency_{stream}")
+                # A flapping link: connections through the proxy are reset again and again.
+                for _ in range(4):
+                    proxy.add_toxic(type="reset_peer", attributes={"timeout": 200})
+                    acked = load.acked()
+                    wait_until(lambda: load.acked() >= acked + 50, 30.0, "writes acknowledged while the link flaps")
+                    proxy.destroy_toxic("reset_peer_downstream")
+                    load.wait_more(50)
+            finally:
+                result = load.finish()
+            judge(c, result, "slow-follower", f"p99_with_200ms_follower={slow_p99:.0f}ms")
+        finally:
+            c.close()
+
+
+def test_6_replica_add_then_remove_under_load(tmp_path: Path) -> None:
+    c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
+    try:
+        boot(c)
+        gw = f"http://{c.gateways[0]}"
+        load = Background(LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=61))
+        try:
+            load.wait_more(600)  # past snapshot_every=500: w4 must start from a snapshot
+            code, body = http_json("POST", f"{gw}/cluster/shards/0/replicas", {"add": "w4"}, timeout=10)
+            assert code == 202, body
+            wait_until(lambda: "w4" in c.view()["groups"]["0"]["voters"], 60, "w4 promoted in group 0", interval=0.3)
+            code, body = http_json("POST", f"{gw}/cluster/shards/0/replicas", {"remove": "w1"}, timeout=10)
+            assert code == 202, body
+            wait_until(lambda: "w1" not in c.view()["groups"]["0"]["voters"] and not c.view()["operators"], 60,
+                       "w1 removed from group 0", interval=0.3)
+            load.wait_more(200)
+        finally:
+            result = load.finish()
+        assert sum(result.errors.values()) == 0, f"client-visible errors: {result.errors}"
+        judge(c, result, "replica-add-remove")
+    finally:
+        c.close()
