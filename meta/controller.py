@@ -42,6 +42,8 @@ class GroupReport:
     voters: tuple[str, ...] = ()
     learners: tuple[str, ...] = ()
     config_seq: int = 0
+    # The replica lost its log and re-syncs: it must neither lead nor vote.
+    resyncing: bool = False
 
 
 @dataclass
@@ -133,6 +135,8 @@ def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_m
             continue
         seen = soft.workers.get(voter)
         report = seen.groups.get(group.id) if seen is not None else None
+        if report is not None and report.resyncing:
+            continue
         last = (report.last_term, report.last_seq) if report is not None else (-1, -1)
         preferred = 1 if voter == group.preferred_leader else 0
         # max() over (last log, preferred, -id) -> invert the id by sorting key below.
@@ -239,11 +243,18 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         return actions
     for group in sorted(groups, key=lambda g: g.id):
         grace = lease_ms if group.ready_term > 0 else max(lease_ms, BOOTSTRAP_GRACE_MS)
-        if group.leader is not None and is_live(soft, group.leader, now_ms, grace):
+        lead_report = report_of(soft, group.leader, group.id)
+        if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
+                not (lead_report is not None and lead_report.resyncing):
             continue
         candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:
             continue
-        reason = "leader_unassigned" if group.leader is None else f"leader {group.leader} silent for {grace} ms"
+        if group.leader is None:
+            reason = "leader_unassigned"
+        elif lead_report is not None and lead_report.resyncing:
+            reason = f"leader {group.leader} lost its log and re-syncs"
+        else:
+            reason = f"leader {group.leader} silent for {grace} ms"
         actions.append(SetLeader(group.id, candidate, group.term, reason))
     return actions

@@ -422,7 +422,7 @@ class MetaServer:
                     commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)),
                     voters=tuple(str(v) for v in rep.get("voters", ())),
                     learners=tuple(str(v) for v in rep.get("learners", ())),
-                    config_seq=int(rep.get("config_seq", 0)))
+                    config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None

@@ -141,8 +141,10 @@ class MetaStateMachine:
         return ok(topology_revision=self.topology_revision, created_groups=created)
 
     def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        wid, addr, zone = cmd["id"], cmd["addr"], cmd.get("zone") or "default"
+        wid, addr = cmd["id"], cmd["addr"]
         rec = self.workers.get(wid)
+        # A worker started without --zone keeps the zone the topology gave it.
+        zone = cmd.get("zone") or (rec.zone if rec is not None else "default")
         if rec is None:
             self.workers[wid] = WorkerRecord(wid, addr, zone, "available")
             return ok(state="available")

@@ -61,6 +61,12 @@ def _cmd_dev(args: argparse.Namespace) -> int:
                               workers=args.workers, shards=args.shards, gateways=args.gateways))
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from shardgrid.bench import main_from_args
+
+    return main_from_args(args, sys.argv[2:] if sys.argv[1:2] == ["bench"] else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardgrid", description="shardgrid: sharded, quorum-replicated data service")
     sub = p.add_subparsers(dest="command", required=True)
@@ -103,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shards", type=int, default=None, help="generate a topology with S shards")
     d.add_argument("--gateways", type=int, default=1, help="gateways to start (ports 8080, 8081, ...)")
     d.set_defaults(func=_cmd_dev)
+
+    from shardgrid.bench import add_bench_arguments
+
+    b = sub.add_parser("bench", help="load generator and benchmark (closed/open loop; local cluster or etcd)",
+                       description="Drive a shardgrid cluster (or etcd, for comparison) and report ops/s, errors, "
+                                   "latency percentiles and cluster CPU per acknowledged write. "
+                                   "See runbook/benchmarking.md.")
+    add_bench_arguments(b)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

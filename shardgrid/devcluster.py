@@ -136,6 +136,8 @@ class LocalCluster:
     say: Callable[[str], None] = _say
     extra_env: dict[str, str] | None = None
     children: list[Child] = field(default_factory=list)
+    # Extra arguments for every gateway (the benchmark passes --no-access-log).
+    gateway_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.topo: Topology = load_topology(self.topology_text)
@@ -162,6 +164,8 @@ class LocalCluster:
         for addr in self.addresses():
             host, _, port = addr.rpartition(":")
             with socket.socket() as sock:
+                # SO_REUSEADDR: a port in TIME_WAIT from a stopped cluster is free to use.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind((host, int(port)))
                 except OSError:
@@ -189,7 +193,7 @@ class LocalCluster:
             self._child(w.id, ["worker", "--id", w.id, "--http", w.http, "--meta", meta,
                                "--data", str(self.data / "workers" / w.id), "--zone", w.zone])
         for i, gw in enumerate(self.gateways):
-            self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta])
+            self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta, *self.gateway_args])
         self.say("waiting for every group to have a ready leader ...")
         view = asyncio.run(wait_groups_ready(self.meta_addrs, timeout_s))
         asyncio.run(wait_http_ok([f"http://{g}/healthz" for g in self.gateways], timeout_s))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import shutil
 import tempfile
 import time
@@ -47,6 +48,7 @@ from worker.transport import Transport
 from worker.wal import Wal
 
 MAX_PASS_EVENTS = 4096
+RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 8192
 DOWNLOAD_ATTEMPTS = 8
 DOWNLOAD_CHUNK = 1 << 20
@@ -148,41 +150,62 @@ class GroupShell:
         self._session: aiohttp.ClientSession | None = None
         self.failed: str | None = None
         self.latency = _LatencyStats()
+        self._resync_marker: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
     def open(self) -> None:
-        """Recover from disk and build the core. Raises GroupCorrupt."""
-        from worker.wal import WalCorrupt
+        """Recover from disk and build the core. Raises GroupCorrupt.
+
+        A WAL damaged before its tail is discarded (the term is kept) and
+        the replica re-syncs from the leader: a RESYNC marker, written
+        before anything is deleted, keeps it from voting or leading until
+        a ready leader has brought it up to date, across restarts too.
+        """
+        from worker.wal import HardState, WalCorrupt
 
         self.root.mkdir(parents=True, exist_ok=True)
+        wal_dir = self.root / "wal"
+        marker = self.root / RESYNC_MARKER
+        fsync = self.settings.fsync
         try:
-            wal, rec = Wal.recover(self.root / "wal", fsync=self.settings.fsync,  # type: ignore[arg-type]
-                                   segment_bytes=self.settings.segment_bytes)
+            wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
         except WalCorrupt as exc:
-            raise GroupCorrupt(f"WAL corrupt: {exc}") from exc
+            self.log.error("wal_corrupt_resyncing", error=str(exc))
+            _write_marker(marker, str(exc))
+            Wal.discard(wal_dir)
+            try:
+                wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
+            except WalCorrupt as again:
+                raise GroupCorrupt(f"WAL hard state unreadable: {again}") from again
         hs = rec.hard_state
         snapshot = None
         if hs.snap_seq > 0:
             snap = snapshot_at(self.snap_dir, hs.snap_seq)
-            if snap is None:
-                wal.close()
-                raise GroupCorrupt(f"the WAL starts after seq {hs.snap_seq} but that snapshot is missing")
             try:
+                if snap is None:
+                    raise SnapshotCorrupt(f"snapshot {hs.snap_seq} is missing")
                 snapshot = restore_snapshot(snap.path, self.plugin, expect_digest=snap.digest)
             except (SnapshotCorrupt, PluginError) as exc:
+                # Start over from nothing but the term; the leader sends a snapshot.
+                self.log.error("snapshot_unusable_resyncing", error=str(exc))
                 wal.close()
-                raise GroupCorrupt(f"snapshot {snap.path.name} unusable: {exc}") from exc
+                _write_marker(marker, str(exc))
+                Wal.discard(wal_dir, HardState(term=hs.term))
+                wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
+                hs = rec.hard_state
         self._last_snapshot_seq = hs.snap_seq
         if self.snap_dir.exists():
             prune_snapshots(self.snap_dir, hs.snap_seq)
+        resync = marker.exists()
         stored = m.StoredState(term=hs.term, entries=[decode_entry(e.payload) for e in rec.entries],
-                               snapshot=snapshot, commit=hs.commit)
+                               snapshot=snapshot, commit=hs.commit, resync=resync)
         self.wal = wal
+        self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
                                m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
-                      torn_bytes=rec.recovery.torn_bytes)
+                      torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"group-{self.gid}")
@@ -272,6 +295,11 @@ class GroupShell:
         persists = [e for e in effects if isinstance(e, m.Persist)]
         if persists:
             await asyncio.to_thread(self._persist_all, persists)
+        if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
+            # What the core re-synced on is durable now (persisted above).
+            self._resync_marker.unlink(missing_ok=True)
+            self._resync_marker = None
+            self.log.info("resync_complete", last_seq=self.replica.last_seq)
         for eff in effects:
             if isinstance(eff, m.Persist):
                 continue
@@ -473,8 +501,15 @@ class GroupShell:
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
             "in_flight": len(self._pending), "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
-            "snapshot_seq": self._last_snapshot_seq, "failed": self.failed,
+            "snapshot_seq": self._last_snapshot_seq, "failed": self.failed, "resyncing": r.resyncing,
         }
+
+
+def _write_marker(path: Path, why: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(why + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @dataclass(frozen=True)

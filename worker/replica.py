@@ -239,6 +239,7 @@ class Replica:
         # from the leader.
         self._commit = max(self._snap_seq, min(stored.commit, self.last_seq))
         self._persisted_commit = stored.commit
+        self._resyncing = stored.resync
         self._applied = self._snap_seq
         self._dedup = self._dedup_from(snap)
         self._configs: list[tuple[int, Config]] = [(e.seq, e.data) for e in log if e.kind == "config"]
@@ -301,6 +302,11 @@ class Replica:
     @property
     def applied_seq(self) -> int:
         return self._applied
+
+    @property
+    def resyncing(self) -> bool:
+        """True while this replica re-syncs after losing its log (it neither votes nor leads)."""
+        return self._resyncing
 
     @property
     def config_seq(self) -> int:
@@ -580,7 +586,7 @@ class Replica:
         if self._log_config() is None:
             self._config_cache = None
         if v.term > self._term:
-            if v.leader == self._id and self._id in v.voters:
+            if v.leader == self._id and self._id in v.voters and not self._resyncing:
                 self._start_term(v)
             else:
                 # Adopting meta's term fences the old leader sooner.
@@ -618,6 +624,10 @@ class Replica:
         if self._lead is not None and m.term == self._term:
             return  # a term has one leader; this cannot be for us
         if not self._accept_term(m):
+            return
+        if self._resyncing:
+            # Our log may lack entries we once acknowledged: a promise from
+            # us could let a majority without them elect a leader.
             return
         self._ack_durable(
             BeginOk(
@@ -892,6 +902,11 @@ class Replica:
         # log; a stale suffix beyond it may still be cut later.
         match = max(m.prev_seq + len(m.entries), self._snap_seq)
         self._learn_commit(min(m.commit, match))
+        if self._resyncing and 0 < m.commit <= match and self.term_at(m.commit) == m.term:
+            # The leader's commit reached an entry of its own term, so its
+            # term-start entry (and everything committed before it) is
+            # committed, and we now hold all of it durably.
+            self._resyncing = False
         self._ack_durable(AppendReply(**env, ok=True, prev_seq=m.prev_seq, match=match))
 
     def _learn_commit(self, seq: int) -> None:

@@ -80,6 +80,10 @@ class StoredState:
     entries: list[Entry] = field(default_factory=list)  # after the snapshot point
     snapshot: SnapshotMeta | None = None
     commit: int = 0  # may be stale; never ahead of the truth
+    # The log was discarded after corruption: entries this replica once
+    # acknowledged may be gone, so it must not vote (answer Begin) or lead
+    # until a ready leader has brought it up to that leader's commit.
+    resync: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -115,6 +115,9 @@ class Disk:
     entries: list[Entry] = field(default_factory=list)
     snapshot: SnapshotMeta | None = None
     commit: int = 0
+    # The log was thrown away after (simulated) corruption; cleared once the
+    # replica reports it has re-synced and that state is durable.
+    resync: bool = False
 
     def apply(self, p: Persist) -> None:
         if p.term is not None:
@@ -135,7 +138,7 @@ class Disk:
             self.commit = p.commit
 
     def stored(self) -> StoredState:
-        return StoredState(self.term, list(self.entries), self.snapshot, self.commit)
+        return StoredState(self.term, list(self.entries), self.snapshot, self.commit, self.resync)
 
 
 @dataclass(slots=True)
@@ -434,6 +437,8 @@ class Sim:
         for p in node.pending:
             node.disk.apply(p)
         node.pending = []
+        if node.disk.resync and node.replica is not None and not node.replica.resyncing:
+            node.disk.resync = False
 
     def fire_timer(self, arg: tuple[Node, int, int]) -> None:
         node, inc, at = arg
@@ -448,6 +453,21 @@ class Sim:
         if not power:
             self.fsync(node)  # written to the page cache: survives SIGKILL
         node.pending = []
+        settled = all(
+            (n.replica is None or set(n.replica.voters) == set(self.m_voters))
+            and all(set(e.data.voters) == set(self.m_voters) for e in n.disk.entries if e.kind == "config")
+            for n in self.nodes.values()
+        )
+        # One lost disk at a time, in a group of 3+ voters with no membership
+        # change in flight: more than that is beyond the fault model (no
+        # majority of intact voters could remain).
+        if self.rng.random() < 0.08 and len(self.m_voters) >= 3 and settled and \
+                not any(n.disk.resync for n in self.nodes.values()):
+            # The WAL came back corrupt: the shell discards the log, keeps
+            # the term, and the replica re-syncs without voting.
+            d = node.disk
+            node.disk = Disk(term=d.term, resync=True)
+            self.stats["crash_disk_lost"] += 1
         node.replica = None
         node.inc += 1
         self.rebuild_shadow(node)
@@ -569,6 +589,10 @@ class Sim:
             return d.entries[-1].term, d.entries[-1].seq
         return (d.snapshot.term, d.snapshot.seq) if d.snapshot else (0, 0)
 
+    def resyncing(self, name: str) -> bool:
+        node = self.nodes[name]
+        return node.replica.resyncing if node.replica is not None else node.disk.resync
+
     def check_commit_survives(self, by: str) -> None:
         """What "committed" means: whichever majority of voters answers the
         next Begin round, the log it adopts (greatest last (term, seq))
@@ -577,9 +601,11 @@ class Sim:
         top = len(self.C) - 1
         want = self.C[top]
         voters = self.m_voters
-        pos = {v: self.position(v) for v in voters}
-        for k in range(len(voters) // 2 + 1, len(voters) + 1):
-            for group in itertools.combinations(voters, k):
+        # A re-syncing replica answers no Begin, so it is in no promising majority.
+        able = [v for v in voters if not self.resyncing(v)]
+        pos = {v: self.position(v) for v in able}
+        for k in range(len(voters) // 2 + 1, len(able) + 1):
+            for group in itertools.combinations(able, k):
                 best = max(group, key=pos.__getitem__)
                 h = self.nodes[best].h
                 if top >= len(h) or h[top] != want:
@@ -739,7 +765,9 @@ class Sim:
         if not live:
             return
         if self.converging:
-            best = max(live, key=self.log_position)
+            # Like meta's controller: never a replica that reports it re-syncs.
+            able = [n for n in live if not self.resyncing(n)] or live
+            best = max(able, key=self.log_position)
         else:
             best = self.adversarial_pick(live)
         self.meta_cas(best)
@@ -926,7 +954,9 @@ class Sim:
         if self.m_learners:
             choices.append(ChangeMembership(req, promote=rng.choice(self.m_learners)))
             choices.append(ChangeMembership(req, remove=rng.choice(self.m_learners)))
-        if len(self.m_voters) > 2:
+        if len(self.m_voters) > 2 and not any(n.disk.resync for n in self.nodes.values()):
+            # (An operator does not shrink a group while a voter re-syncs:
+            # that could leave no majority of intact voters.)
             choices.append(ChangeMembership(req, remove=rng.choice(self.m_voters)))
         if choices:
             self.deliver(node, rng.choice(choices))

@@ -21,7 +21,7 @@ from shardgrid.bench_cpu import (CpuAccount, ProcReader, parse_stat, pids_from_d
 from shardgrid.bench_load import (MISS1, OK1, Engine, EtcdTarget, LoadConfig, MixError, ShardgridTarget,
                                   check_mix_for_target, classify_batch, intended_offset_ns, mix_table, parse_mix,
                                   proc_request_index, scheduled_count)
-from shardgrid.bench_stats import KindStats, KindTotals, latency_summary, merge_ticks, new_histogram, overall
+from shardgrid.bench_stats import KindStats, latency_summary, merge_ticks, new_histogram, overall
 from shardgrid.cli import build_parser
 
 # -- the mix ---------------------------------------------------------------------------------
@@ -139,13 +139,14 @@ async def test_open_loop_measures_queueing_that_closed_loop_hides() -> None:
     # takes one service time; the waiting that a real client would do is not measured.
     _, closed = await _engine_run(LoadConfig(concurrency=1, duration_s=0.5), _slow_server(service))
     assert closed["count"] >= 10
-    assert closed["p99"] < 60, closed
+    assert closed["p50"] < 40, closed
     # Open loop at twice the capacity: requests are due every 5 ms whatever happens, the
     # backlog grows all run long, and latency from the intended send time shows it.
     summary, open_ = await _engine_run(LoadConfig(rate=200, duration_s=0.5), _slow_server(service))
     assert summary["scheduled"] == 100 and summary["unsent"] == 0 and summary["sent"] == 100
     assert open_["count"] == 100
     assert open_["p50"] > 100 and open_["p99"] > 300 and open_["max"] > 350, open_
+    assert open_["p50"] > closed["p99"]
     # The same server below capacity: no queue, latency ~ service time.
     _, easy = await _engine_run(LoadConfig(rate=40, duration_s=0.5), _slow_server(service))
     assert easy["count"] == 20 and easy["p50"] < 60, easy
@@ -290,8 +291,11 @@ def test_cluster_pids_from_dir_list_and_pattern(tmp_path: Path) -> None:
     (tmp_path / "bad.pid").write_text("x")
     with pytest.raises(ValueError, match="expected one PID"):
         pids_from_dir(tmp_path)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no \\*.pid files"):
-        pids_from_dir(tmp_path / "w1.pid" if False else tmp_path.parent / "nothing-here")  # not a dir
+        pids_from_dir(tmp_path / "empty")
+    with pytest.raises(ValueError, match="not a directory"):
+        pids_from_dir(tmp_path / "w1.pid")
     assert pids_from_list("1, 2") == {1: "pid1", 2: "pid2"}
     root = tmp_path / "proc"
     _fake_proc(root, 1, "init", 0, 0, 0, "/sbin/init")
@@ -357,7 +361,7 @@ def test_result_json_shape() -> None:
 class FakeGateway:
     def __init__(self) -> None:
         self.items: dict[str, bytes] = {}
-        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.requests: list[tuple[str, str, Any]] = []
         self.seq = 0
 
     def app(self) -> web.Application:
@@ -369,7 +373,7 @@ class FakeGateway:
         return app
 
     def _seen(self, request: web.Request) -> None:
-        self.requests.append((request.method, request.path, dict(request.headers)))
+        self.requests.append((request.method, request.path, request.headers.copy()))  # case-insensitive
 
     async def put(self, request: web.Request) -> web.Response:
         self._seen(request)
@@ -440,6 +444,5 @@ async def test_end_to_end_open_loop_with_batches(aiohttp_server: Any) -> None:
     assert r["errors"]["record_errors"] == {"unavailable": 200} and r["errors"]["total"] == 0
     assert r["records_per_s"] > r["ops_per_s"]
     assert ol["schedule_lag_ms"]["count"] == 100
-    body = orjson.loads(fake.requests[0][2].get("content-type") and b"{}" or b"{}")
-    assert body == {}
+    assert all(p == "/batch" for _, p, _ in fake.requests)
     assert r["cluster_cpu"] is None  # no cluster PIDs given: no CPU figure

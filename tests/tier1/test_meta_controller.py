@@ -80,3 +80,19 @@ def test_a_group_that_never_had_a_ready_leader_gets_the_bootstrap_grace() -> Non
     assert decide(fresh, soft, LEASE * 3, LEASE) == []
     (action,) = decide(fresh, soft, BOOTSTRAP_GRACE_MS, LEASE)
     assert action.leader == "w2" and "10000 ms" in action.reason
+
+
+def test_a_resyncing_replica_never_leads() -> None:
+    now = 10_000
+    gs = groups()
+    soft = SoftState(leader_since_ms=0)
+    soft.heard_from("w1", now, {0: GroupReport(term=5, role="follower", last_term=5, last_seq=1, resyncing=True)})
+    soft.heard_from("w2", now, {0: GroupReport(term=5, last_term=5, last_seq=90)})
+    soft.heard_from("w3", now, {0: GroupReport(term=5, last_term=5, last_seq=80)})
+    # w1 leads group 0 but reports it lost its log: its group moves, to the best intact voter.
+    (action,) = [a for a in decide(gs, soft, now, LEASE) if a.group == 0]
+    assert action.leader == "w2" and "re-syncs" in action.reason
+    # And a resyncing voter is never the pick, however far ahead it claims to be.
+    soft.heard_from("w2", now, {0: GroupReport(term=5, last_term=9, last_seq=999, resyncing=True)})
+    (action,) = [a for a in decide(gs, soft, now, LEASE) if a.group == 0]
+    assert action.leader == "w3"

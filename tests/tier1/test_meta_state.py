@@ -129,3 +129,10 @@ def test_view_is_plain_data(sm: MetaStateMachine) -> None:
     decoded = orjson.loads(orjson.dumps(view, option=orjson.OPT_NON_STR_KEYS))
     assert decoded["groups"]["1"]["leader"] == "w2"
     assert decoded["topology"]["cluster"] == "demo"
+
+
+def test_register_without_zone_keeps_the_topology_zone(sm: MetaStateMachine) -> None:
+    sm.apply({"op": "register_worker", "id": "w2", "addr": "127.0.0.1:7202", "zone": None})
+    assert sm.workers["w2"].zone == "b"
+    sm.apply({"op": "register_worker", "id": "w9", "addr": "127.0.0.1:7209", "zone": None})
+    assert sm.workers["w9"].zone == "default"

@@ -54,6 +54,7 @@ def test_runs_exercise_the_protocol() -> None:
         "crash_power",
         "crash_kill",
         "crash_mid_list",
+        "crash_disk_lost",
         "write_quorum_timeout",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

@@ -136,3 +136,44 @@ def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
     got = asyncio.run(read_all(c.worker_addr(victim), "follower"))
     missing = [k for k, (st, doc) in got.items() if st != 200 or doc != {"v": k}]
     assert not missing, f"restarted {victim} lacks {len(missing)} acknowledged writes"
+
+
+def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
+    c = cluster
+    gid = 1
+    v = c.view()
+    victim = next(w for w in v["groups"][str(gid)]["voters"] if w != v["groups"][str(gid)]["leader"])
+    w = Writer(c, gid)
+    w.refresh_leader()
+
+    async def write_n(start: int, n: int) -> None:
+        async with aiohttp.ClientSession() as s:
+            for i in range(start, start + n):
+                assert await w.write(s, f"c{i}")
+    asyncio.run(write_n(0, 150))
+    c.kill(victim)
+    # Flip a byte in the middle of the first WAL segment: corruption before the tail.
+    seg = sorted((c.root / "workers" / victim / "groups" / str(gid) / "wal").glob("wal-*.seg"))[0]
+    raw = bytearray(seg.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    seg.write_bytes(bytes(raw))
+    asyncio.run(write_n(150, 50))
+    c.start_workers([victim])
+    wait_until(lambda: "wal_corrupt_resyncing" in (c.root / "logs" / f"{victim}.log").read_text(), 20,
+               "the corruption to be detected")
+    target = c.worker_status(v["groups"][str(gid)]["leader"])["groups"][str(gid)]["commit"]
+    wait_until(lambda: (g := c.worker_status(victim)["groups"][str(gid)])["applied"] >= target
+               and not g["resyncing"], 30.0, f"{victim} to re-sync group {gid}")
+    assert not (c.root / "workers" / victim / "groups" / str(gid) / "RESYNC").exists()
+
+    async def read_back() -> list[str]:
+        bad = []
+        async with aiohttp.ClientSession() as s:
+            for key in w.acked:
+                status, body = await post(s, c.worker_addr(victim), f"/v1/groups/{gid}/read",
+                                          {"query": {"kind": "get_item", "id": key}, "consistency": "follower",
+                                           "min_seq": max(w.acked.values())})
+                if status != 200 or body["result"] != {"v": key}:
+                    bad.append(key)
+        return bad
+    assert asyncio.run(read_back()) == []

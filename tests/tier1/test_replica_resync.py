@@ -1,0 +1,53 @@
+"""A replica that lost its log (corruption) must not vote or lead until a ready leader re-syncs it."""
+from __future__ import annotations
+
+from typing import Any
+
+from tests.tier1.test_replica_unit import Net, op
+from worker.replica_msgs import Begin, BeginOk, ClientWrite, MetaView, Reply, Send, StoredState, Tick
+
+VOTERS = ("a", "b", "c")
+
+
+def sent(effects: list[Any], kind: type) -> list[Any]:
+    return [e.msg for e in effects if isinstance(e, Send) and isinstance(e.msg, kind)]
+
+
+def test_resyncing_replica_never_promises() -> None:
+    r = Net({"c": StoredState(term=3, resync=True)}).r["c"]
+    out = r.handle(Begin(src="a", dst="c", group=0, term=4), 1000)
+    assert sent(out, BeginOk) == [] and r.term == 4  # fenced to the new term, but no promise
+    assert r.resyncing
+
+
+def test_resyncing_replica_refuses_to_lead() -> None:
+    r = Net({"c": StoredState(term=3, resync=True)}).r["c"]
+    out = r.handle(MetaView(term=4, leader="c", voters=VOTERS), 1000)
+    assert sent(out, Begin) == [] and r.role != "leader" and r.term == 4
+
+
+def test_a_ready_leader_brings_it_back_and_it_votes_again() -> None:
+    log = [op(1, 1), op(1, 2), op(1, 3)]
+    net = Net({"a": StoredState(term=1, entries=list(log), commit=3), "b": StoredState(term=1, entries=list(log)),
+               "c": StoredState(term=1, resync=True)})
+    for n in VOTERS:
+        net.do(n, MetaView(term=2, leader="a", voters=VOTERS))
+    net.run()
+    for _ in range(5):
+        net.now += 100
+        for n in VOTERS:
+            net.do(n, Tick())
+        net.run()
+    assert net.r["a"].ready
+    net.do("a", ClientWrite("w1", {"x": 1}, "quorum", "rid-1"))
+    net.run()
+    for _ in range(5):
+        net.now += 100
+        for n in VOTERS:
+            net.do(n, Tick())
+        net.run()
+    assert any(isinstance(e, Reply) and e.ok for e in net.effects["a"])
+    c = net.r["c"]
+    assert c.last_seq == net.r["a"].last_seq and not c.resyncing
+    out = c.handle(Begin(src="b", dst="c", group=0, term=3), net.now)
+    assert sent(out, BeginOk), "a re-synced replica answers Begin again"
