@@ -36,7 +36,8 @@ def _base(addr: str) -> str:
 
 class MetaClient:
     def __init__(self, addrs: list[str], admin_token: str | None = None,
-                 session: aiohttp.ClientSession | None = None, deadline_s: float = 10.0) -> None:
+                 session: aiohttp.ClientSession | None = None, deadline_s: float = 10.0,
+                 local_addr: str | None = None) -> None:
         if not addrs:
             raise ValueError("at least one meta address is needed")
         self.addrs = [_base(a) for a in addrs]
@@ -45,6 +46,7 @@ class MetaClient:
         self._owns_session = session is None
         self._preferred = 0
         self.deadline_s = deadline_s
+        self.local_addr = local_addr
 
     async def __aenter__(self) -> "MetaClient":
         return self
@@ -59,7 +61,9 @@ class MetaClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
+            connector = aiohttp.TCPConnector(local_addr=(self.local_addr, 0)) if self.local_addr else None
+            self._session = aiohttp.ClientSession(
+                connector=connector, json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
         return self._session
 
     def _order(self) -> list[int]:

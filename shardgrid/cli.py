@@ -37,7 +37,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
-                       zone=args.zone)
+                       zone=args.zone, source_addr=args.source_addr)
     return worker_main(cfg)
 
 
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
     w.add_argument("--data", required=True, help="directory for group WALs and snapshots")
     w.add_argument("--zone", default=None, help="failure domain (default: the topology's)")
+    w.add_argument("--source-addr", default=None,
+                   help="local IP for outgoing connections to peers and meta (multi-homed hosts, tests)")
     w.set_defaults(func=_cmd_worker)
 
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")

@@ -36,6 +36,8 @@ class WorkerConfig:
     meta: list[str]
     data: Path
     zone: str | None = None
+    # Source address of outgoing connections (peers, meta); None = the OS picks.
+    source_addr: str | None = None
 
 
 class WorkerNode:
@@ -43,7 +45,7 @@ class WorkerNode:
         self.cfg = cfg
         self.id = cfg.id
         self.log = log
-        self.meta = MetaClient(cfg.meta, deadline_s=5.0)
+        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr)
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
         labels = ["group"]
@@ -60,7 +62,7 @@ class WorkerNode:
         self.view: dict[str, Any] | None = None
         self.registered = False
         self.default_ack = "quorum"
-        self.transport = Transport(self.peer_addr, log)
+        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr)
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()

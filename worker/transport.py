@@ -75,16 +75,23 @@ class _Peer:
 class Transport:
     """Routes outgoing messages to peers by worker id, resolved through `resolve`."""
 
-    def __init__(self, resolve: Callable[[str], str | None], log: Any) -> None:
+    def __init__(self, resolve: Callable[[str], str | None], log: Any, local_addr: str | None = None) -> None:
         self._resolve = resolve
+        self.local_addr = local_addr
         self._peers: dict[str, _Peer] = {}
         self._session: aiohttp.ClientSession | None = None
         self.log = log
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=4))
+            self._session = aiohttp.ClientSession(connector=self.connector(limit=0, limit_per_host=4))
         return self._session
+
+    def connector(self, **kw: Any) -> aiohttp.TCPConnector:
+        """Connections from this worker's source address, when one is set."""
+        if self.local_addr:
+            kw["local_addr"] = (self.local_addr, 0)
+        return aiohttp.TCPConnector(**kw)
 
     def send(self, msg: Message) -> None:
         addr = self._resolve(msg.dst)

@@ -85,6 +85,8 @@ class Cluster:
     children: dict[str, Child] = field(default_factory=dict)
     # Worker id -> the address peers dial instead of its listen address (a proxy).
     advertise: dict[str, str] = field(default_factory=dict)
+    # Worker id -> source IP of its outgoing connections (for address-based partitions).
+    source: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3, n_gateways: int = 0) -> "Cluster":
@@ -167,6 +169,8 @@ class Cluster:
                 "--meta", self.meta_addrs, "--data", str(self.root / "workers" / wid), "--zone", zone]
         if wid in self.advertise:
             argv += ["--advertise", self.advertise[wid]]
+        if wid in self.source:
+            argv += ["--source-addr", self.source[wid]]
         return Child(wid, argv, self.root / "logs" / f"{wid}.log")
 
     def start_workers(self, ids: list[str] | None = None) -> None:

@@ -308,3 +308,27 @@ def test_6_replica_add_then_remove_under_load(tmp_path: Path) -> None:
         judge(c, result, "replica-add-remove")
     finally:
         c.close()
+
+
+def test_3_partition_leader_from_followers_and_meta(tmp_path: Path) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+
+    if shutil.which("nft") is None or shutil.which("ip") is None:
+        pytest.fail("nftables (nft) and iproute2 (ip) are required: .ci/run installs them")
+    ns = f"sgchaos-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.tier3.partition_run",
+                               "--root", str(tmp_path / "cluster")], capture_output=True, text=True, timeout=400,
+                              cwd=Path(__file__).resolve().parents[2])
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        assert lines, f"no result from the partition run:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        out = json.loads(lines[-1])
+        print(f"\n[partition] {out}")
+        assert proc.returncode == 0 and out["ok"], out.get("details")
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
