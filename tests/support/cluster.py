@@ -195,14 +195,23 @@ class Cluster:
         return next(h for w, h, _ in self.workers if w == wid)
 
     def view(self) -> dict[str, Any]:
-        for m in self.meta:
-            if m.id in self.children and self.children[m.id].alive():
-                try:
-                    code, body = http_json("GET", f"http://{m.http}/v1/cluster", timeout=2.0)
-                except OSError:
-                    continue
-                if code == 200:
-                    return body  # type: ignore[no-any-return]
+        """The cluster view, from the meta leader when one is known (followers may lag)."""
+        alive = [m for m in self.meta if m.id in self.children and self.children[m.id].alive()]
+        order = list(alive)
+        for m in alive:
+            try:
+                leader = self.status(m.id)["leader"]
+            except (OSError, AssertionError):
+                continue
+            order = sorted(alive, key=lambda x: x.id != leader)
+            break
+        for m in order:
+            try:
+                code, body = http_json("GET", f"http://{m.http}/v1/cluster", timeout=2.0)
+            except OSError:
+                continue
+            if code == 200:
+                return body  # type: ignore[no-any-return]
         raise AssertionError("no meta node answered /v1/cluster")
 
     def wait_groups_ready(self, timeout: float = 20.0, exclude_leader: str | None = None) -> dict[str, Any]:

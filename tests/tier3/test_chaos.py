@@ -296,7 +296,8 @@ def test_6_replica_add_then_remove_under_load(tmp_path: Path) -> None:
             load.wait_more(600)  # past snapshot_every=500: w4 must start from a snapshot
             code, body = http_json("POST", f"{gw}/cluster/shards/0/replicas", {"add": "w4"}, timeout=10)
             assert code == 202, body
-            wait_until(lambda: "w4" in c.view()["groups"]["0"]["voters"], 60, "w4 promoted in group 0", interval=0.3)
+            wait_until(lambda: "w4" in (v := c.view())["groups"]["0"]["voters"] and not v["operators"], 60,
+                       "w4 promoted in group 0 and the operator finished", interval=0.3)
             code, body = http_json("POST", f"{gw}/cluster/shards/0/replicas", {"remove": "w1"}, timeout=10)
             assert code == 202, body
             wait_until(lambda: "w1" not in c.view()["groups"]["0"]["voters"] and not c.view()["operators"], 60,

@@ -78,8 +78,8 @@ def test_transfer_and_replica_moves_under_load_are_invisible_to_clients(cluster:
         # A fourth worker joins group 1 from a snapshot and is promoted; then the old leader leaves.
         code, body = http_json("POST", f"{gw}/cluster/shards/1/replicas", {"add": "w4"}, timeout=10)
         assert code == 202, body
-        wait_until(lambda: "w4" in c.view()["groups"]["1"]["voters"], 60, "w4 to be promoted in group 1",
-                   interval=0.3)
+        wait_until(lambda: "w4" in (v := c.view())["groups"]["1"]["voters"] and not v["operators"], 60,
+                   "w4 to be promoted in group 1 and the operator to finish", interval=0.3)
         assert "snapshot_downloaded" in (c.root / "logs" / "w4.log").read_text()
         leaving = c.view()["groups"]["1"]["leader"]
         code, body = http_json("POST", f"{gw}/cluster/shards/1/replicas", {"remove": leaving}, timeout=10)
