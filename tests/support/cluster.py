@@ -161,6 +161,17 @@ class Cluster:
     def wait_leader(self, among: list[str] | None = None, timeout: float = 15.0) -> str:
         return str(wait_until(lambda: self.leader(among), timeout, "a meta leader everyone agrees on"))
 
+    def boot(self, topology: str, gateways: bool = False) -> None:
+        """Meta nodes, the topology applied, workers with ready leaders, then gateways."""
+        self.start_meta()
+        self.wait_leader()
+        res = self.topoctl("apply", str(self.write_topology(topology)))
+        assert res.returncode == 0, res.stderr
+        self.start_workers()
+        self.wait_groups_ready(timeout=30)
+        if gateways:
+            self.start_gateways()
+
     # -- workers ---------------------------------------------------------------------
 
     def _worker_child(self, wid: str) -> Child:

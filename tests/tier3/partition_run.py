@@ -65,13 +65,7 @@ def run(root: Path) -> dict[str, object]:
     heal()
     c = build(root)
     try:
-        c.start_meta()
-        c.wait_leader()
-        res = c.topoctl("apply", str(c.write_topology(c.topology_yaml(snapshot_every=500, groups=GROUPS))))
-        assert res.returncode == 0, res.stderr
-        c.start_workers()
-        c.wait_groups_ready(timeout=30)
-        c.start_gateways()
+        c.boot(c.topology_yaml(snapshot_every=500, groups=GROUPS), gateways=True)
         load = Background(LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=31))
         try:
             load.wait_more(300)

@@ -28,13 +28,7 @@ GROUPS = [(0, "w1", ["w1", "w2", "w3"]), (1, "w2", ["w1", "w2", "w3"]), (2, "w3"
 
 
 def boot(c: Cluster) -> None:
-    c.start_meta()
-    c.wait_leader()
-    res = c.topoctl("apply", str(c.write_topology(c.topology_yaml(snapshot_every=500, groups=GROUPS))))
-    assert res.returncode == 0, res.stderr
-    c.start_workers()
-    c.wait_groups_ready(timeout=30)
-    c.start_gateways()
+    c.boot(c.topology_yaml(snapshot_every=500, groups=GROUPS), gateways=True)
 
 
 @pytest.fixture

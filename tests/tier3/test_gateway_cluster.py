@@ -25,13 +25,7 @@ GROUPS = [(0, "w1", ["w1", "w2", "w3"]), (1, "w2", ["w1", "w2", "w3"]), (2, "w3"
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
     try:
-        c.start_meta()
-        c.wait_leader()
-        res = c.topoctl("apply", str(c.write_topology(c.topology_yaml(snapshot_every=100, groups=GROUPS))))
-        assert res.returncode == 0, res.stderr
-        c.start_workers()
-        c.wait_groups_ready(timeout=30)
-        c.start_gateways()
+        c.boot(c.topology_yaml(snapshot_every=100, groups=GROUPS), gateways=True)
         yield c
     finally:
         c.close()

@@ -20,13 +20,7 @@ pytestmark = pytest.mark.tier3
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster.create(tmp_path / "cluster")
     try:
-        c.start_meta()
-        c.wait_leader()
-        topo = c.write_topology(c.topology_yaml(snapshot_every=200))
-        res = c.topoctl("apply", str(topo))
-        assert res.returncode == 0, res.stderr
-        c.start_workers()
-        c.wait_groups_ready(timeout=30)
+        c.boot(c.topology_yaml(snapshot_every=200))
         yield c
     finally:
         c.close()
