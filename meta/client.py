@@ -101,11 +101,15 @@ class MetaClient:
                             timeout=aiohttp.ClientTimeout(total=min(attempt_timeout_s, remaining))) as resp:
                         raw = await resp.read()
                         body = _parse(raw, resp.content_type)
-                        # 501 is a definite answer; other 5xx may pass on another node.
-                        if resp.status < 500 or resp.status == 501:
+                        err = body.get("error", {}) if isinstance(body, dict) else {}
+                        # A 5xx is worth another node only when it says so (the
+                        # metadata log could not commit here) or names the leader;
+                        # anything else (e.g. "group has no ready leader") is the answer.
+                        another = err.get("code") == "not_leader" or err.get("retry_elsewhere") or \
+                            resp.status in (500, 502)
+                        if resp.status < 500 or not another:
                             self._preferred = idx
                             return resp.status, body, dict(resp.headers)
-                        err = body.get("error", {}) if isinstance(body, dict) else {}
                         last_problem = f"{url}: {resp.status} {err.get('code', '')} {err.get('message', '')}".strip()
                         if err.get("code") == "not_leader" and err.get("leader_http"):
                             self._learn_leader(err.get("leader_http"))

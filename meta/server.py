@@ -120,7 +120,7 @@ class MetaServer:
             raise ApiError("unavailable",
                            f"the metadata log did not commit the change ({exc.reason}); "
                            "the outcome is unknown: re-read and retry",
-                           meta_leader=leader.id if leader else None) from None
+                           meta_leader=leader.id if leader else None, retry_elsewhere=True) from None
 
     @staticmethod
     def _raise_failed(result: dict[str, Any]) -> None:
