@@ -415,9 +415,9 @@ async def test_end_to_end_closed_loop_two_procs(aiohttp_server: Any) -> None:
     server = await aiohttp_server(fake.app())
     url = f"http://127.0.0.1:{server.port}"
     r, out = await _run_cli(["--gateway", url, "--gateway", url + "/", "--concurrency", "4", "--procs", "2",
-                             "--duration", "1", "--mix", "put=60,get=20,incr=20", "--ack", "all", "--keys", "50",
+                             "--duration", "0.6", "--mix", "put=60,get=20,incr=20", "--ack", "all", "--keys", "50",
                              "--cluster-pids", str(os.getpid())])
-    assert r["ops"] > 20 and r["config"]["procs"] == 2 and not r["client"]["problems"]
+    assert r["ops"] > 10 and r["config"]["procs"] == 2 and not r["client"]["problems"]
     assert set(r["by_kind"]) == {"put", "get", "incr"}
     assert set(r["errors"]["by_code"]) <= {"quorum_timeout"}  # incr of entities ending in 7
     assert r["misses"] == r["by_kind"]["get"]["misses"]  # a 404 on get is a miss, not an error
@@ -436,7 +436,7 @@ async def test_end_to_end_closed_loop_two_procs(aiohttp_server: Any) -> None:
 async def test_end_to_end_open_loop_with_batches(aiohttp_server: Any) -> None:
     fake = FakeGateway()
     server = await aiohttp_server(fake.app())
-    r, _ = await _run_cli(["--gateway", f"http://127.0.0.1:{server.port}", "--rate", "100", "--duration", "1",
+    r, _ = await _run_cli(["--gateway", f"http://127.0.0.1:{server.port}", "--rate", "200", "--duration", "0.5",
                            "--batch", "10", "--mix", "put=1", "--quiet", "--value-bytes", "32"])
     ol = r["open_loop"]
     assert ol["scheduled"] == 100 and ol["unsent"] == 0 and ol["sent"] == 100
