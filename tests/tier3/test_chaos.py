@@ -44,11 +44,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 class Background:
     """The load generator on its own thread and event loop."""
 
-    def __init__(self, gen: LoadGenerator) -> None:
+    def __init__(self, gen: LoadGenerator, max_seconds: float = 240.0) -> None:
         self.gen = gen
         self.out: list[LoadResult] = []
-        self.thread = threading.Thread(target=lambda: self.out.append(asyncio.run(gen.run(max_seconds=240))),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: self.out.append(asyncio.run(gen.run(max_seconds=max_seconds))), daemon=True)
         self.thread.start()
 
     def ops(self) -> int:
@@ -133,7 +133,8 @@ def test_1_sigkill_workers_at_random_points(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(int(os.environ.get("SHARDGRID_CHAOS_SEED", "1")))
     killpoints = int(os.environ.get("SHARDGRID_KILLPOINTS", "5"))
-    load = Background(LoadGenerator(c.gateways, clients=10, ops_per_client=100_000, seed=rng.randrange(1 << 30)))
+    load = Background(LoadGenerator(c.gateways, clients=10, ops_per_client=100_000, seed=rng.randrange(1 << 30)),
+                      max_seconds=120.0 + 40.0 * killpoints)
     reader = FollowerReader(c, [])
     reader.start()
     failovers: list[float] = []
