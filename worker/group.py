@@ -105,6 +105,15 @@ class _LatencyStats:
     ema_ms: float = 0.0
     samples: list[float] = field(default_factory=list)
     writes: int = 0
+    # (monotonic s, writes) at the previous report, for the write rate.
+    _mark: tuple[float, int] = (0.0, 0)
+
+    def rate(self) -> float:
+        """Acknowledged writes/s since the previous call (one caller: the heartbeat report)."""
+        now = time.monotonic()
+        then, count = self._mark
+        self._mark = (now, self.writes)
+        return (self.writes - count) / (now - then) if then and now > then else 0.0
 
     def observe(self, ms: float) -> None:
         self.writes += 1
@@ -498,6 +507,7 @@ class GroupShell:
             "term": r.term, "role": r.role, "leader": r.leader, "ready": r.ready,
             "last_term": r.last_term, "last_seq": r.last_seq, "commit": r.commit_seq, "applied": r.applied_seq,
             "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,
+            "write_rate": round(self.latency.rate(), 1),
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
             "in_flight": len(self._pending), "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
