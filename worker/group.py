@@ -105,15 +105,19 @@ class _LatencyStats:
     ema_ms: float = 0.0
     samples: list[float] = field(default_factory=list)
     writes: int = 0
-    # (monotonic s, writes) at the previous report, for the write rate.
+    # (monotonic s, writes) marks at least a second apart, for the write rate;
+    # any number of readers (heartbeat, /v1/status, /metrics) see the same rate.
     _mark: tuple[float, int] = (0.0, 0)
+    _rate: float = 0.0
 
     def rate(self) -> float:
-        """Acknowledged writes/s since the previous call (one caller: the heartbeat report)."""
+        """Acknowledged writes/s over the last second or more."""
         now = time.monotonic()
         then, count = self._mark
-        self._mark = (now, self.writes)
-        return (self.writes - count) / (now - then) if then and now > then else 0.0
+        if now - then >= 1.0:
+            self._rate = (self.writes - count) / (now - then) if then else 0.0
+            self._mark = (now, self.writes)
+        return self._rate
 
     def observe(self, ms: float) -> None:
         self.writes += 1
