@@ -64,7 +64,7 @@ class LoadThread(threading.Thread):
                     hint = resp["error"].get("leader")
                     v = self.c.view()
                     addr = v["workers"][hint]["addr"] if hint in v["workers"] else self.leader_addr()
-                    time.sleep(0.01)
+                    self.stop.wait(0.01)  # brief backoff before following the hint
                     continue
                 self.errors.append((status, code))
             i += 1
