@@ -58,6 +58,7 @@ from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, Worker
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import check_bearer
+from shardgrid.ids import id_problem
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_middleware, error_response, json_response
 
 MAX_ID_BYTES = 256
@@ -105,17 +106,10 @@ def _short(value: Any) -> str:
 
 
 def check_id(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise _bad(f"{where} must be a string, got {_tname(value)}")
-    if not value:
-        raise _bad(f"{where} must not be empty")
-    try:
-        n = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise _bad(f"{where} is not valid Unicode text") from None
-    if n > MAX_ID_BYTES:
-        raise _bad(f"{where} is {n} bytes of UTF-8; the limit is {MAX_ID_BYTES}")
-    return value
+    problem = id_problem(value, where, MAX_ID_BYTES, _tname)
+    if problem is not None:
+        raise _bad(problem)
+    return str(value)
 
 
 def check_number(value: Any, where: str) -> int | float:

@@ -80,6 +80,7 @@ import msgpack
 import orjson
 import xxhash
 
+from shardgrid.ids import id_problem
 from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError
 
 FORMAT = "shardgrid.entities"
@@ -189,16 +190,9 @@ def _check_shape(obj: Any, table: Mapping[str, tuple[str, ...]], other: Mapping[
 
 def _ident(value: Any, where: str, max_len: int | None) -> str:
     """A non-empty str that encodes to UTF-8 (msgpack and orjson need that)."""
-    if not isinstance(value, str):
-        raise BadOp(f"{where} must be a string, got {_tname(value)}")
-    if not value:
-        raise BadOp(f"{where} must not be empty")
-    try:
-        n = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise BadOp(f"{where} is not valid Unicode text (lone surrogate)") from None
-    if max_len is not None and n > max_len:
-        raise BadOp(f"{where} is {n} bytes of UTF-8; the limit is {max_len}")
+    problem = id_problem(value, where, max_len, _tname)
+    if problem is not None:
+        raise BadOp(problem)
     return str(value)
 
 
