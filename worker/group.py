@@ -6,8 +6,9 @@ queued since the last pass (client writes and reads, peer messages, meta
 views, timer ticks), feeds them to the core, then performs the effects:
 
 1. every `Persist` of the pass, in order, followed by ONE fsync (group
-   commit) — in a worker thread, so the event loop keeps accepting the
-   requests that form the next pass;
+   commit) — on the loop itself, since it is short (a pass that installs
+   a snapshot archive goes to a thread); the requests that arrive
+   meanwhile form the next pass;
 2. then everything else in order: sends, applies (the plugin), replies,
    reads, reports to meta.
 
@@ -307,7 +308,15 @@ class GroupShell:
     async def _perform(self, effects: list[m.Effect]) -> None:
         persists = [e for e in effects if isinstance(e, m.Persist)]
         if persists:
-            await asyncio.to_thread(self._persist_all, persists)
+            if any(p.snapshot is not None for p in persists):
+                # Writing a snapshot archive can take long: off the loop.
+                await asyncio.to_thread(self._persist_all, persists)
+            else:
+                # Appends and one fsync (~0.2 ms) inline: a hop to a thread
+                # costs more CPU than that (futex hand-offs, GIL contention
+                # with the loop) and adds up to a GIL switch interval (5 ms)
+                # of latency to every pass.
+                self._persist_all(persists)
         if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
             # What the core re-synced on is durable now (persisted above).
             self._resync_marker.unlink(missing_ok=True)
@@ -335,7 +344,7 @@ class GroupShell:
             elif isinstance(eff, m.DownloadSnapshot):
                 self._start_download(eff)
 
-    # -- persistence (runs in a worker thread) ------------------------------------------------
+    # -- persistence ------------------------------------------------
 
     def _persist_all(self, persists: list[m.Persist]) -> None:
         wal = self.wal

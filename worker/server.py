@@ -11,12 +11,13 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
+from aiohttp import WSMsgType, web
 
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
     packb, unpackb
 from worker import replica_msgs as m
 from worker.codec import decode_message
+from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class WorkerApi:
         r.add_get("/metrics", self.metrics)
         r.add_get("/v1/status", self.status)
         r.add_post("/v1/raft", self.raft)
+        r.add_get(STREAM_PATH, self.raft_stream)
         r.add_post("/v1/groups/{gid}/write", self.write)
         r.add_post("/v1/groups/{gid}/write_batch", self.write_batch)
         r.add_post("/v1/groups/{gid}/read", self.read)
@@ -96,14 +98,29 @@ class WorkerApi:
         return json_response({"id": self.node.id, "groups": self.node.group_reports(),
                               "corrupt": self.node.corrupt})
 
-    async def raft(self, request: web.Request) -> web.Response:
-        batch = unpackb(await request.read())
+    def _deliver_raft(self, batch: Any) -> None:
         for raw in batch:
             msg = decode_message(raw)
             shell = self.node.groups.get(msg.group)
             if shell is not None:
                 shell.deliver(msg)
+
+    async def raft(self, request: web.Request) -> web.Response:
+        self._deliver_raft(unpackb(await request.read()))
         return web.Response(status=204)
+
+    async def raft_stream(self, request: web.Request) -> web.StreamResponse:
+        """A peer's message stream (worker/transport.py): binary frames, each a list of messages."""
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=0)
+        await ws.prepare(request)
+        async for frame in ws:
+            if frame.type == WSMsgType.BINARY:
+                try:
+                    self._deliver_raft(unpackb(frame.data))
+                except (ValueError, TypeError, KeyError) as exc:
+                    self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
+                    break
+        return ws
 
     async def write(self, request: web.Request) -> web.Response:
         shell = self._group(request)

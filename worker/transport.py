@@ -1,10 +1,17 @@
-"""Replica-to-replica messages over HTTP: one batching sender per peer.
+"""Replica-to-replica messages: one WebSocket stream per peer, fire-and-forget.
 
-Messages are fire-and-forget (the replication core retransmits what gets
-lost), so a sender never blocks the group loop: `send` enqueues, and the
-peer's task ships everything queued as one msgpack POST to `/v1/raft` over a
-persistent connection. Under load that is the natural batching of DESIGN.md
-§5: while one POST is in flight, the next batch gathers.
+Messages need no answer (the replication core retransmits what gets lost),
+so a sender never blocks the group loop: `send` enqueues, and the peer's
+task writes everything queued as ONE binary msgpack frame (a list of encoded
+messages) on a persistent WebSocket to the peer's `/v1/raft/stream`. Under
+load that is the natural batching of DESIGN.md §5: while one frame is being
+written, the next gathers. A frame is one socket write with no reply, where
+an HTTP POST per batch cost four socket operations and aiohttp's client
+machinery; on this 2-core machine that was most of a worker's CPU.
+
+A dead or partitioned peer is noticed by WebSocket ping/pong (`HEARTBEAT_S`):
+the stream closes, what was queued is dropped, and the task reconnects with
+a backoff. `POST /v1/raft` (the same list, one request) stays for tools.
 """
 from __future__ import annotations
 
@@ -20,19 +27,23 @@ from worker.replica_msgs import Message
 
 MAX_BATCH = 4096
 MAX_QUEUE = 100_000
-POST_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 1.0
+# Ping every HEARTBEAT_S; no pong within half of it closes the stream. Small
+# enough that a partition costs about one failover lease, not TCP's minutes.
+HEARTBEAT_S = 1.0
+STREAM_PATH = "/v1/raft/stream"
 
 
 class _Peer:
     def __init__(self, addr: str, session: aiohttp.ClientSession, log: Any) -> None:
         self.addr = addr
-        self.url = f"http://{addr}/v1/raft"
+        self.url = f"http://{addr}{STREAM_PATH}"
         self.queue: deque[list[Any]] = deque()
         self.wake = asyncio.Event()
         self.session = session
         self.log = log
         self.failures = 0
-        self.task = asyncio.create_task(self._run())
+        self.task = asyncio.create_task(self._run(), name=f"peer-{addr}")
 
     def send(self, encoded: list[Any]) -> None:
         if len(self.queue) >= MAX_QUEUE:
@@ -43,26 +54,50 @@ class _Peer:
     async def _run(self) -> None:
         while True:
             await self.wake.wait()
-            self.wake.clear()
-            while self.queue:
-                n = min(len(self.queue), MAX_BATCH)
-                batch = [self.queue.popleft() for _ in range(n)]
-                try:
-                    async with self.session.post(self.url, data=packb(batch),
-                                                 headers={"Content-Type": "application/msgpack"},
-                                                 timeout=aiohttp.ClientTimeout(total=POST_TIMEOUT_S)) as resp:
-                        await resp.read()
-                        if resp.status >= 300:
-                            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            try:
+                ws = await self.session.ws_connect(self.url, heartbeat=HEARTBEAT_S, autoping=True,
+                                                   timeout=aiohttp.ClientWSTimeout(ws_close=1.0),
+                                                   max_msg_size=0)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                await self._failed(exc)
+                continue
+            try:
+                await self._stream(ws)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ConnectionError) as exc:
+                await self._failed(exc)
+            finally:
+                await ws.close()
+
+    async def _stream(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        # The reader consumes pongs (and anything else); its end is the stream's end.
+        reader = asyncio.create_task(_drain(ws))
+        try:
+            while True:
+                while self.queue:
+                    n = min(len(self.queue), MAX_BATCH)
+                    batch = [self.queue.popleft() for _ in range(n)]
+                    if ws.closed:
+                        raise ConnectionResetError("stream closed")
+                    await ws.send_bytes(packb(batch))
                     self.failures = 0
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    self.failures += 1
-                    if self.failures in (1, 10) or self.failures % 100 == 0:
-                        self.log.warning("peer_send_failed", peer=self.addr, error=type(exc).__name__,
-                                         failures=self.failures, dropped=len(batch))
-                    # Back off a little so a dead peer costs nothing; drop what is queued.
-                    await asyncio.sleep(min(0.05 * self.failures, 0.5))
-                    self.queue.clear()
+                self.wake.clear()
+                waker = asyncio.ensure_future(self.wake.wait())
+                done, _ = await asyncio.wait((waker, reader), return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    waker.cancel()
+                    raise ConnectionResetError(f"stream closed ({ws.close_code})")
+        finally:
+            reader.cancel()
+
+    async def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            self.log.warning("peer_send_failed", peer=self.addr, error=type(exc).__name__,
+                             failures=self.failures, dropped=len(self.queue))
+        # Drop what is queued (the core retransmits) and back off so a dead
+        # peer costs nothing.
+        self.queue.clear()
+        await asyncio.sleep(min(0.05 * self.failures, 0.5))
 
     async def close(self) -> None:
         self.task.cancel()
@@ -70,6 +105,11 @@ class _Peer:
             await self.task
         except asyncio.CancelledError:
             pass
+
+
+async def _drain(ws: aiohttp.ClientWebSocketResponse) -> None:
+    async for _ in ws:
+        pass
 
 
 class Transport:
@@ -84,7 +124,9 @@ class Transport:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=self.connector(limit=0, limit_per_host=4))
+            self._session = aiohttp.ClientSession(
+                connector=self.connector(limit=0, limit_per_host=4),
+                timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
         return self._session
 
     def connector(self, **kw: Any) -> aiohttp.TCPConnector:
