@@ -14,7 +14,8 @@ hung worker), the cache cancels it and the request moves on at once. A write
 keeps its request id across attempts, so the workers' replicated dedup table
 applies it once.
 
-`GroupCaller` sends a group's single writes. While a call to the group's
+Calls go over `gateway/calls.py` (one stream per worker). `GroupCaller`
+sends a group's single writes. While a call to the group's
 leader is in flight, further writes to it queue and leave together as ONE
 `write_batch` when it returns (no timers: an idle gateway adds no latency;
 a busy one turns N round trips into one). Lanes are per (group, leader
@@ -32,6 +33,7 @@ import orjson
 from multidict import CIMultiDictProxy
 from prometheus_client import Counter, Gauge
 
+from gateway.calls import WorkerCalls
 from gateway.router import (MIN_ATTEMPT_S, WORKER_MARGIN_S, AttemptBudget, Hint, Next, RetryState, RoutingTable,
                             Target, accept_hint, after_reply, attempt_budget, backoff_s, give_up, prune_hints)
 from meta.client import MetaClient, MetaUnreachable
@@ -41,6 +43,7 @@ from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
 MSGPACK = "application/msgpack"
 _MSGPACK_HEADERS = {"Content-Type": MSGPACK}
 MAX_COALESCED = 1000  # writes per coalesced write_batch (the rest wait for the next one)
+LANE_DEPTH = 2  # coalesced calls in flight per (group, leader)
 REFRESH_MIN_INTERVAL_S = 0.05  # at most ~20 direct GET /v1/cluster per second, however many nudges
 REFRESH_DEADLINE_S = 1.0
 _CODE_FOR_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "payload_too_large",
@@ -146,7 +149,7 @@ def _int(value: Any) -> int | None:
 
 def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], content_type: str, raw: bytes,
                 target: Target, gid: int | None) -> WorkerReply:
-    """Decode a worker answer (msgpack or, for errors raised before the body was read, JSON)."""
+    """Decode a worker's HTTP answer (msgpack or, for errors raised before the body was read, JSON)."""
     body: Any
     try:
         if content_type == MSGPACK:
@@ -157,6 +160,12 @@ def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], co
             body = raw.decode("utf-8", "replace")
     except (ValueError, orjson.JSONDecodeError):
         body = raw[:200].decode("utf-8", "replace")
+    return reply_from(status, headers, body, target, gid)
+
+
+def reply_from(status: int, headers: CIMultiDictProxy[str] | dict[str, str], body: Any, target: Target,
+               gid: int | None) -> WorkerReply:
+    """A worker's decoded answer (from HTTP or the call stream) as a WorkerReply."""
     served_by = headers.get("x-served-by") or target.wid
     term = _int(headers.get("x-term"))
     seq = _int(headers.get("x-seq"))
@@ -184,29 +193,6 @@ def item_reply(item: Any, target: Target, gid: int) -> WorkerReply:
         return WorkerReply(200, None, item, target.wid, gid, _int(item.get("term")), _int(item.get("seq")))
     return WorkerReply(500, "internal", error_body("internal", f"worker {target.wid} sent a malformed batch result",
                                                    shard=gid), target.wid, gid, None, None)
-
-
-class WorkerHttp:
-    """One POST of a msgpack body to a worker; transport failures become AttemptFailed."""
-
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
-
-    async def post(self, target: Target, path: str, payload: dict[str, Any], timeout_s: float,
-                   gid: int | None) -> WorkerReply:
-        try:
-            async with self.session.post(target.base + path, data=packb(payload), headers=_MSGPACK_HEADERS,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                raw = await resp.read()
-                return parse_reply(resp.status, resp.headers, resp.content_type, raw, target, gid)
-        except aiohttp.ClientConnectorError as exc:
-            # Connection refused / unreachable: the request never left, nothing applied.
-            raise AttemptFailed("refused", False, f"{target.wid} unreachable ({exc.os_error or exc})") from None
-        except TimeoutError:
-            raise AttemptFailed("timeout", True, f"{target.wid} did not answer within {timeout_s:.3f}s") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            # Reset or disconnected after sending: the worker may have the write.
-            raise AttemptFailed("broken", True, f"{target.wid}: {type(exc).__name__} {exc}") from None
 
 
 # -- the routing cache ------------------------------------------------------------------------------
@@ -362,43 +348,42 @@ class _Queued:
 
 @dataclass(slots=True)
 class _Lane:
-    busy: bool = False
+    inflight: int = 0
+    flush_scheduled: bool = False
     queue: list[_Queued] = field(default_factory=list)
 
 
 class GroupCaller:
-    """Single writes of one group, coalesced per leader while a call is in flight."""
+    """Single writes of one group, coalesced per leader.
 
-    def __init__(self, gid: int, http: WorkerHttp, metrics: GatewayMetrics, coalesce: bool) -> None:
+    Writes that arrive in the same loop iteration leave together; at most
+    `LANE_DEPTH` calls per leader are in flight, and what arrives while the
+    lane is full waits for the next free slot, so a busy gateway sends few,
+    large batches and an idle one adds no latency (no timers).
+    """
+
+    def __init__(self, gid: int, calls: WorkerCalls, metrics: GatewayMetrics, coalesce: bool) -> None:
         self.gid = gid
-        self.http = http
+        self.calls = calls
         self.metrics = metrics
         self.coalesce = coalesce
-        self._write_path = f"/v1/groups/{gid}/write"
-        self._batch_path = f"/v1/groups/{gid}/write_batch"
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def write(self, target: Target, op: dict[str, Any], rid: str, ack: str, budget: AttemptBudget,
                     attempt: Attempt) -> WorkerReply:
-        lane = self._lanes.get(target.base)
-        if not self.coalesce or lane is None or not lane.busy:
-            if self.coalesce:
-                if lane is None:
-                    lane = self._lanes[target.base] = _Lane()
-                lane.busy = True
+        if not self.coalesce:
             attempt.sent = True
-            try:
-                return await self.http.post(target, self._write_path,
-                                            {"op": op, "ack": ack, "rid": rid,
-                                             "deadline_ms": budget.worker_deadline_ms},
-                                            budget.http_timeout_s, self.gid)
-            finally:
-                if lane is not None:
-                    self._next(target, lane)
+            return await self.calls.call(target, "write", self.gid,
+                                         {"op": op, "ack": ack, "rid": rid, "deadline_ms": budget.worker_deadline_ms},
+                                         budget.http_timeout_s)
+        lane = self._lanes.get(target.base)
+        if lane is None:
+            lane = self._lanes[target.base] = _Lane()
         loop = asyncio.get_running_loop()
         item = _Queued(op, rid, ack, loop.time() + budget.http_timeout_s, loop.create_future(), attempt)
         lane.queue.append(item)
+        self._schedule(target, lane)
         try:
             outcome = await asyncio.wait_for(item.fut, budget.http_timeout_s)
         except TimeoutError:
@@ -410,22 +395,29 @@ class GroupCaller:
             raise outcome
         return outcome
 
-    def _next(self, target: Target, lane: _Lane) -> None:
-        """The lane's call returned: send what queued meanwhile, or go idle."""
+    def _schedule(self, target: Target, lane: _Lane) -> None:
+        if lane.queue and lane.inflight < LANE_DEPTH and not lane.flush_scheduled:
+            lane.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush, target, lane)
+
+    def _flush(self, target: Target, lane: _Lane) -> None:
+        """Send what queued in this loop iteration (or while the lane was full) as one call."""
+        lane.flush_scheduled = False
         live = [q for q in lane.queue if not q.abandoned]
         if not live:
             lane.queue.clear()
-            lane.busy = False
-            if self._lanes.get(target.base) is lane:
+            if lane.inflight == 0 and self._lanes.get(target.base) is lane:
                 del self._lanes[target.base]  # idle lanes cost nothing; keep the dict small
             return
         ack = live[0].ack  # one ack per write_batch; other acks go next round
         batch = [q for q in live if q.ack == ack][:MAX_COALESCED]
         chosen = set(batch)
         lane.queue = [q for q in live if q not in chosen]
+        lane.inflight += 1
         task = asyncio.get_running_loop().create_task(self._send_batch(target, lane, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._schedule(target, lane)
 
     async def _send_batch(self, target: Target, lane: _Lane, batch: list[_Queued]) -> None:
         try:
@@ -434,12 +426,18 @@ class GroupCaller:
                 return  # every owner has given up or is about to; the finally answers them
             for q in batch:
                 q.attempt.sent = True
-            self.metrics.write_batches.labels("coalesced").inc()
-            self.metrics.coalesced.inc(len(batch))
-            payload = {"writes": [{"op": q.op, "rid": q.rid} for q in batch], "ack": batch[0].ack,
-                       "deadline_ms": max(1, int((timeout - WORKER_MARGIN_S) * 1000))}
+            deadline_ms = max(1, int((timeout - WORKER_MARGIN_S) * 1000))
             try:
-                reply = await self.http.post(target, self._batch_path, payload, timeout, self.gid)
+                if len(batch) == 1:
+                    q = batch[0]
+                    _settle(q, await self.calls.call(target, "write", self.gid, {"op": q.op, "ack": q.ack, "rid": q.rid,
+                                                     "deadline_ms": deadline_ms}, timeout))
+                    return
+                self.metrics.write_batches.labels("coalesced").inc()
+                self.metrics.coalesced.inc(len(batch))
+                payload = {"writes": [{"op": q.op, "rid": q.rid} for q in batch], "ack": batch[0].ack,
+                           "deadline_ms": deadline_ms}
+                reply = await self.calls.call(target, "write_batch", self.gid, payload, timeout)
             except AttemptFailed as failed:
                 for q in batch:
                     _settle(q, AttemptFailed(failed.kind, failed.sent, failed.detail))
@@ -457,7 +455,10 @@ class GroupCaller:
         finally:
             for q in batch:
                 _settle(q, AttemptFailed("broken", q.attempt.sent, "the coalesced call ended without an answer"))
-            self._next(target, lane)
+            lane.inflight -= 1
+            self._schedule(target, lane)
+            if not lane.queue and lane.inflight == 0 and self._lanes.get(target.base) is lane:
+                del self._lanes[target.base]
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -486,9 +487,9 @@ class SearchOutcome:
 
 
 class Forwarder:
-    def __init__(self, cache: RouteCache, http: WorkerHttp, metrics: GatewayMetrics, coalesce: bool = True) -> None:
+    def __init__(self, cache: RouteCache, calls: WorkerCalls, metrics: GatewayMetrics, coalesce: bool = True) -> None:
         self.cache = cache
-        self.http = http
+        self.calls = calls
         self.metrics = metrics
         self.coalesce = coalesce
         self._callers: dict[int, GroupCaller] = {}
@@ -497,12 +498,13 @@ class Forwarder:
     def caller(self, gid: int) -> GroupCaller:
         c = self._callers.get(gid)
         if c is None:
-            c = self._callers[gid] = GroupCaller(gid, self.http, self.metrics, self.coalesce)
+            c = self._callers[gid] = GroupCaller(gid, self.calls, self.metrics, self.coalesce)
         return c
 
     async def close(self) -> None:
         for c in self._callers.values():
             await c.close()
+        await self.calls.close()
 
     # -- public operations
 
@@ -517,12 +519,10 @@ class Forwarder:
 
     async def read(self, gid: int, query: dict[str, Any], consistency: str, min_seq: int, deadline: float,
                    trace: Trace) -> WorkerReply:
-        path = f"/v1/groups/{gid}/read"
-
         def send(target: Target, budget: AttemptBudget, attempt: Attempt) -> Awaitable[WorkerReply]:
-            return self.http.post(target, path, {"query": query, "consistency": consistency, "min_seq": min_seq,
-                                                 "deadline_ms": budget.worker_deadline_ms},
-                                  budget.http_timeout_s, gid)
+            return self.calls.call(target, "read", gid, {"query": query, "consistency": consistency,
+                                                         "min_seq": min_seq, "deadline_ms": budget.worker_deadline_ms},
+                                   budget.http_timeout_s)
 
         return await self._run(gid, send, deadline, trace, write=False, follower=consistency == "follower")
 
@@ -557,7 +557,6 @@ class Forwarder:
         "served_by", "result"}` or an error body with `shard`.
         """
         loop = asyncio.get_running_loop()
-        path = f"/v1/groups/{gid}/write_batch"
         results: list[dict[str, Any] | None] = [None] * len(writes)
         pending = list(range(len(writes)))
         st = RetryState()
@@ -582,7 +581,7 @@ class Forwarder:
                        "deadline_ms": budget.worker_deadline_ms}
             self.metrics.write_batches.labels("batch").inc()
             try:
-                reply = await self._race(self.http.post(target, path, payload, budget.http_timeout_s, gid),
+                reply = await self._race(self.calls.call(target, "write_batch", gid, payload, budget.http_timeout_s),
                                          gid, target, attempt)
             except (LeaderMoved, AttemptFailed) as exc:
                 await self._after_failure(st, exc, attempt, target, True, remaining)

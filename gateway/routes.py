@@ -54,7 +54,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerHttp, WorkerReply
+from gateway.calls import WorkerCalls
+from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import check_bearer
@@ -394,7 +395,7 @@ class Gateway:
         session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
         meta = MetaClient(list(self.cfg.meta), session=session)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
-        self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerHttp(session), self.metrics,
+        self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session), self.metrics,
                                                              coalesce=self.cfg.coalesce))
         cache.start()
 

@@ -43,7 +43,7 @@ class Settings:
     lease_ms: int = 1500
     fsync: str = "batch"  # batch | always | none
     deadline_ms: int = 5000  # default request deadline at gateways
-    snapshot_every: int = 10000  # entries between plugin snapshots
+    snapshot_every: int = 100_000  # entries between plugin snapshots (etcd's snapshot-count default)
     embedding_dim: int = 64  # fixed per cluster
 
 

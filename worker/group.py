@@ -76,7 +76,7 @@ class GroupHooks(Protocol):
 @dataclass(frozen=True)
 class GroupSettings:
     fsync: str = "batch"
-    snapshot_every: int = 10_000
+    snapshot_every: int = 100_000
     quorum_timeout_ms: int = 2000
     segment_bytes: int = 64 * 1024 * 1024
 
@@ -252,6 +252,45 @@ class GroupShell:
     async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> Outcome:
         self.plugin.validate(op)  # BadOp never enters the log
         return await self._request(lambda req: m.ClientWrite(req, op, ack, rid), timeout_s, kind="write")  # type: ignore[arg-type]
+
+    async def write_many(self, writes: list[tuple[Any, str | None]], ack: str,
+                         timeout_s: float) -> list[Outcome | BadOp]:
+        """Several writes submitted together: one result each, in order (a BadOp for an invalid op).
+
+        One wait for all of them instead of a task per write.
+        """
+        if self.failed is not None:
+            failed = Outcome(False, error_code="unavailable", message=f"group {self.gid} failed here: {self.failed}")
+            return [failed for _ in writes]
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        results: list[Outcome | BadOp | None] = [None] * len(writes)
+        waiting: list[tuple[int, int, asyncio.Future[Outcome]]] = []
+        for i, (op, rid) in enumerate(writes):
+            try:
+                self.plugin.validate(op)
+            except BadOp as exc:
+                results[i] = exc
+                continue
+            req = next(self._req_ids)
+            fut: asyncio.Future[Outcome] = loop.create_future()
+            self._pending[req] = (fut, started, "write")
+            self.deliver(m.ClientWrite(req, op, ack, rid))
+            waiting.append((i, req, fut))
+        try:
+            if waiting:
+                await asyncio.wait([f for _, _, f in waiting], timeout=timeout_s)
+        finally:
+            for i, req, fut in waiting:
+                self._pending.pop(req, None)
+                if fut.done():
+                    results[i] = fut.result()
+                else:
+                    fut.cancel()
+                    results[i] = Outcome(False, error_code="quorum_timeout",
+                                         message="no answer within the deadline; outcome unknown",
+                                         leader=self.replica.leader if self.replica else None)
+        return results  # type: ignore[return-value]
 
     async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> Outcome:
         deadline = now_ms() + int(timeout_s * 1000)

@@ -8,6 +8,7 @@ same encoding as the request. Errors use the one error shape of
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -52,9 +53,53 @@ def _timeout(body: dict[str, Any]) -> float:
     return min(float(ms) / 1000, 60.0)
 
 
+RID_RULE = "rid must be a non-empty string of at most 128 characters"
+CALLS_PATH = "/v1/calls"
+
+
+def _rid_ok(rid: Any) -> bool:
+    return rid is None or (isinstance(rid, str) and 0 < len(rid) <= 128)
+
+
+@dataclass(slots=True)
+class CallResult:
+    status: int
+    body: Any
+    headers: dict[str, str] | None = None
+
+
+class _Outbox:
+    """Answers for one call stream, written by one task: those ready together share a frame."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+        self.items: list[Any] = []
+        self.wake = asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.wake.set()
+
+    async def _run(self) -> None:
+        while not self.ws.closed:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.items:
+                items, self.items = self.items, []
+                try:
+                    await self.ws.send_bytes(packb(items))
+                except (ConnectionError, RuntimeError):
+                    return  # the gateway went away; its calls fail over on its side
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
 class WorkerApi:
     def __init__(self, node: "WorkerNode") -> None:
         self.node = node
+        self._call_ops = {"write": self.do_write, "write_batch": self.do_write_batch, "read": self.do_read}
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware], client_max_size=MAX_BODY)
@@ -66,6 +111,7 @@ class WorkerApi:
         r.add_get("/v1/status", self.status)
         r.add_post("/v1/raft", self.raft)
         r.add_get(STREAM_PATH, self.raft_stream)
+        r.add_get(CALLS_PATH, self.calls)
         r.add_post("/v1/groups/{gid}/write", self.write)
         r.add_post("/v1/groups/{gid}/write_batch", self.write_batch)
         r.add_post("/v1/groups/{gid}/read", self.read)
@@ -122,63 +168,68 @@ class WorkerApi:
                     break
         return ws
 
+    # -- data ops: one implementation for HTTP and for the call stream -------------
+
     async def write(self, request: web.Request) -> web.Response:
-        shell = self._group(request)
-        body = await _body(request)
+        return self._respond(request, await self.do_write(self._group(request), await _body(request)))
+
+    async def write_batch(self, request: web.Request) -> web.Response:
+        return self._respond(request, await self.do_write_batch(self._group(request), await _body(request)))
+
+    async def read(self, request: web.Request) -> web.Response:
+        return self._respond(request, await self.do_read(self._group(request), await _body(request)))
+
+    def _respond(self, request: web.Request, res: "CallResult") -> web.Response:
+        resp = _answer(request, res.body, status=res.status)
+        if res.headers:
+            resp.headers.update(res.headers)
+        return resp
+
+    async def do_write(self, shell: Any, body: Any) -> "CallResult":
         if not isinstance(body, dict) or not isinstance(body.get("op"), dict):
             raise ApiError("bad_request", "write needs {\"op\": {...}, \"ack\"?, \"rid\"?, \"deadline_ms\"?}")
-        ack = body.get("ack", self.node.default_ack)
-        if ack not in ("leader", "quorum", "all"):
-            raise ApiError("bad_request", "ack must be leader, quorum or all")
+        ack = self._ack(body)
         rid = body.get("rid")
-        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 128):
-            raise ApiError("bad_request", "rid must be a non-empty string of at most 128 characters")
+        if not _rid_ok(rid):
+            raise ApiError("bad_request", RID_RULE)
         try:
             out = await shell.write(body["op"], ack, rid, _timeout(body))
         except BadOp as exc:
             raise ApiError("bad_request", exc.message, shard=shell.gid) from None
-        return self._outcome(request, shell, out)
+        return self._outcome(shell, out)
 
-    async def write_batch(self, request: web.Request) -> web.Response:
+    async def do_write_batch(self, shell: Any, body: Any) -> "CallResult":
         """Many writes to one group in one round trip; one result per write, in order.
 
         Each write is validated and committed on its own (a bad one does not
-        fail the others); they are submitted together, so the group's
+        fail the others); they enter the group's queue together, so the
         pipeline carries them in as few appends as possible.
         """
-        shell = self._group(request)
-        body = await _body(request)
         writes = body.get("writes") if isinstance(body, dict) else None
         if not isinstance(writes, list) or not writes:
             raise ApiError("bad_request", "write_batch needs {\"writes\": [{\"op\": {...}, \"rid\"?}, ...]}")
-        ack = body.get("ack", self.node.default_ack)
-        if ack not in ("leader", "quorum", "all"):
-            raise ApiError("bad_request", "ack must be leader, quorum or all")
+        ack = self._ack(body)
         timeout = _timeout(body)
-
-        async def one(w: Any) -> dict[str, Any]:
+        results: list[Any] = [None] * len(writes)
+        todo: list[tuple[int, Any, str | None]] = []
+        for i, w in enumerate(writes):
             if not isinstance(w, dict) or not isinstance(w.get("op"), dict):
-                return error_body("bad_request", "each write needs {\"op\": {...}}")
-            rid = w.get("rid")
-            if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 128):
-                return error_body("bad_request", "rid must be a non-empty string of at most 128 characters")
-            try:
-                out = await shell.write(w["op"], ack, rid, timeout)
-            except BadOp as exc:
-                return error_body("bad_request", exc.message, shard=shell.gid)
-            if out.ok:
-                return {"seq": out.seq, "term": out.term, "result": out.result}
-            code = out.error_code or "unavailable"
-            return error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
-                              term=out.term or shell.replica.term,
-                              leader=out.leader if out.leader is not None else shell.replica.leader)
+                results[i] = error_body("bad_request", "each write needs {\"op\": {...}}")
+            elif not _rid_ok(w.get("rid")):
+                results[i] = error_body("bad_request", RID_RULE)
+            else:
+                todo.append((i, w["op"], w.get("rid")))
+        outcomes = await shell.write_many([(op, rid) for _, op, rid in todo], ack, timeout)
+        for (i, _, _), out in zip(todo, outcomes):
+            if isinstance(out, BadOp):
+                results[i] = error_body("bad_request", out.message, shard=shell.gid)
+            elif out.ok:
+                results[i] = {"seq": out.seq, "term": out.term, "result": out.result}
+            else:
+                results[i] = self._error(shell, out)
+        return CallResult(200, {"results": results})
 
-        results = await asyncio.gather(*(one(w) for w in writes))
-        return _answer(request, {"results": list(results)}, status=200)
-
-    async def read(self, request: web.Request) -> web.Response:
-        shell = self._group(request)
-        body = await _body(request)
+    async def do_read(self, shell: Any, body: Any) -> "CallResult":
         if not isinstance(body, dict) or not isinstance(body.get("query"), dict):
             raise ApiError("bad_request", "read needs {\"query\": {...}, \"consistency\"?, \"min_seq\"?}")
         consistency = body.get("consistency", "strong")
@@ -188,21 +239,81 @@ class WorkerApi:
         if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 0:
             raise ApiError("bad_request", "min_seq must be a non-negative integer")
         out = await shell.read(body["query"], consistency, min_seq, _timeout(body))
-        return self._outcome(request, shell, out)
+        return self._outcome(shell, out)
 
-    def _outcome(self, request: web.Request, shell: Any, out: Any) -> web.Response:
+    def _ack(self, body: dict[str, Any]) -> str:
+        ack = body.get("ack", self.node.default_ack)
+        if ack not in ("leader", "quorum", "all"):
+            raise ApiError("bad_request", "ack must be leader, quorum or all")
+        return str(ack)
+
+    def _error(self, shell: Any, out: Any) -> dict[str, Any]:
+        code = out.error_code or "unavailable"
+        leader = out.leader if out.leader is not None else shell.replica.leader
+        return error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
+                          term=out.term or shell.replica.term, leader=leader)
+
+    def _outcome(self, shell: Any, out: Any) -> "CallResult":
         headers = {"x-shard": str(shell.gid), "x-term": str(out.term), "x-seq": str(out.seq),
                    "x-served-by": self.node.id}
         if out.ok:
-            resp = _answer(request, {"seq": out.seq, "term": out.term, "result": out.result})
-        else:
-            code = out.error_code or "unavailable"
-            leader = out.leader if out.leader is not None else shell.replica.leader
-            body = error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
-                              term=out.term or shell.replica.term, leader=leader)
-            resp = _answer(request, body, status=STATUS_FOR_CODE.get(code, 503))
-        resp.headers.update(headers)
-        return resp
+            return CallResult(200, {"seq": out.seq, "term": out.term, "result": out.result}, headers)
+        code = out.error_code or "unavailable"
+        return CallResult(STATUS_FOR_CODE.get(code, 503), self._error(shell, out), headers)
+
+    async def calls(self, request: web.Request) -> web.StreamResponse:
+        """The gateways' call stream: `[[id, op, gid, body], ...]` frames in, `[[id, status, body], ...]` out.
+
+        The same data ops as the HTTP routes, without a request and a
+        response per call: calls are answered as they finish, and answers
+        that finish together leave in one frame.
+        """
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
+        await ws.prepare(request)
+        out = _Outbox(ws)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            async for frame in ws:
+                if frame.type != WSMsgType.BINARY:
+                    continue
+                try:
+                    batch = unpackb(frame.data)
+                    if not isinstance(batch, list):
+                        raise ValueError("a frame is a list of calls")
+                except ValueError as exc:
+                    self.node.log.warning("call_frame_malformed", error=str(exc))
+                    break
+                for call in batch:
+                    task = asyncio.create_task(self._call(call, out))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            out.close()
+        return ws
+
+    async def _call(self, call: Any, out: "_Outbox") -> None:
+        try:
+            cid, op, gid, body = call
+        except (TypeError, ValueError):
+            self.node.log.warning("call_malformed")
+            return
+        try:
+            fn = self._call_ops.get(op)
+            if fn is None:
+                raise ApiError("bad_request", f"unknown call {op!r}")
+            shell = self.node.groups.get(gid) if isinstance(gid, int) else None
+            if shell is None:
+                raise ApiError("not_leader", f"worker {self.node.id} hosts no replica of group {gid}", shard=gid,
+                               leader=self.node.leader_of(gid) if isinstance(gid, int) else None)
+            res = await fn(shell, body)
+            out.put([cid, res.status, res.body])
+        except ApiError as err:
+            out.put([cid, err.status, err.body()])
+        except Exception:  # noqa: BLE001 - like the HTTP error middleware: log, answer 500
+            self.node.log.exception("unhandled_error", call=op, group=gid)
+            out.put([cid, 500, error_body("internal", "internal error; see the server log")])
 
     async def transfer(self, request: web.Request) -> web.Response:
         shell = self._group(request)
@@ -221,7 +332,7 @@ class WorkerApi:
         if len(change) != 1 or not all(isinstance(v, str) for v in change.values()):
             raise ApiError("bad_request", "members needs exactly one of add_learner, promote, remove")
         out = await shell.change_members(change, DEFAULT_TIMEOUT_S)
-        return self._outcome(request, shell, out)
+        return self._respond(request, self._outcome(shell, out))
 
     async def snapshot_manifest(self, request: web.Request) -> web.Response:
         shell = self._group(request)

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.forward import LANE_DEPTH
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
 
@@ -307,19 +308,26 @@ async def test_batch_items_refused_by_a_moving_leader_are_retried(aiohttp_server
 
 async def test_concurrent_writes_to_a_busy_group_are_coalesced(aiohttp_server: Any, aiohttp_client: Any) -> None:
     f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    inflight = {"now": 0, "max": 0}
 
     async def slow(call: Call) -> Answer | None:
-        await asyncio.sleep(0.1)
+        inflight["now"] += 1
+        inflight["max"] = max(inflight["max"], inflight["now"])
+        try:
+            await asyncio.sleep(0.1)
+        finally:
+            inflight["now"] -= 1
         return None
 
     f.workers["A"].on = slow
     client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
-    resps = await asyncio.gather(*(client.put(f"/items/k{i}", data=orjson.dumps(i)) for i in range(10)))
-    assert [r.status for r in resps] == [200] * 10
+    resps = await asyncio.gather(*(client.put(f"/items/k{i}", data=orjson.dumps(i)) for i in range(30)))
+    assert [r.status for r in resps] == [200] * 30
     kinds = [c.kind for c in f.workers["A"].calls]
-    assert kinds[0] == "write" and "write_batch" in kinds and len(kinds) < 10
+    assert "write_batch" in kinds and len(kinds) < 30
+    assert inflight["max"] <= LANE_DEPTH  # the lane's bound on calls in flight to one leader
     sent = sum(len(c.body["writes"]) if c.kind == "write_batch" else 1 for c in f.workers["A"].calls)
-    assert sent == 10 and {f.workers["A"].items[(0, f"k{i}")] for i in range(10)} == set(range(10))
+    assert sent == 30 and {f.workers["A"].items[(0, f"k{i}")] for i in range(30)} == set(range(30))
 
 
 async def test_single_entity_answers_and_worker_errors(aiohttp_server: Any, aiohttp_client: Any) -> None:

@@ -57,18 +57,41 @@ class FakeWorker:
         app.router.add_post("/v1/groups/{gid}/write", self._handle("write"))
         app.router.add_post("/v1/groups/{gid}/write_batch", self._handle("write_batch"))
         app.router.add_post("/v1/groups/{gid}/read", self._handle("read"))
+        app.router.add_get("/v1/calls", self._calls)
         return app
+
+    async def _answer(self, call: Call) -> Answer:
+        self.calls.append(call)
+        answer = await self.on(call) if self.on is not None else None
+        return answer if answer is not None else self.default(call)
+
+    async def _calls(self, request: web.Request) -> web.WebSocketResponse:
+        """The call stream the gateway uses: `[[id, op, gid, body], ...]` in, `[[id, status, body], ...]` out."""
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(cid: int, kind: str, gid: int, body: Any) -> None:
+            status, answer = await self._answer(Call(kind, gid, body))
+            if not ws.closed:
+                await ws.send_bytes(packb([[cid, status, answer]]))
+
+        try:
+            async for frame in ws:
+                for cid, kind, gid, body in unpackb(frame.data):
+                    task = asyncio.create_task(one(cid, kind, gid, body))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return ws
 
     def _handle(self, kind: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             assert request.content_type == MSGPACK
             gid = int(request.match_info["gid"])
-            call = Call(kind, gid, unpackb(await request.read()))
-            self.calls.append(call)
-            answer = await self.on(call) if self.on is not None else None
-            if answer is None:
-                answer = self.default(call)
-            status, body = answer
+            status, body = await self._answer(Call(kind, gid, unpackb(await request.read())))
             return web.Response(body=packb(body), status=status, content_type=MSGPACK,
                                 headers={"x-shard": str(gid), "x-term": str(self.term), "x-seq": str(self.seq),
                                          "x-served-by": self.wid})

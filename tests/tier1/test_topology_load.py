@@ -288,7 +288,7 @@ def test_defaults_and_group_order() -> None:
     doc["groups"].reverse()
     t = load_topology(dump(doc))
     assert t.plugin == "entities"
-    assert t.settings == Settings("quorum", 2000, 1500, "batch", 5000, 10000, 64)
+    assert t.settings == Settings("quorum", 2000, 1500, "batch", 5000, 100_000, 64)
     assert t.worker("w4") == WorkerSpec("w4", "127.0.0.1:7204", "default")
     assert [g.id for g in t.groups] == [0, 1, 2]
     # Replicas keep the order the operator wrote.
