@@ -131,7 +131,7 @@ class Attempt:
     the route cache cancels it (and sets `moved`) when meta names another one."""
 
     sent: bool = False
-    task: asyncio.Future[WorkerReply] | None = None
+    task: asyncio.Task[Any] | None = None
     wid: str = ""
     moved: bool = False
 
@@ -679,27 +679,25 @@ class Forwarder:
         return n == 0 or st.attempts % n == 0
 
     async def _race(self, coro: Awaitable[WorkerReply], gid: int, target: Target, attempt: Attempt) -> WorkerReply:
-        """Await the attempt as a task the route cache cancels if meta names another leader.
+        """Await the attempt; the route cache cancels it if meta names another leader meanwhile.
 
-        A registry entry per attempt (not a wait on a shared "changed" future)
-        keeps the hot path to one task and a set insert.
+        The cache cancels the request's own task (no task per attempt on the
+        hot path); the cancellation it caused is taken back here and becomes
+        LeaderMoved, while any other cancellation propagates.
         """
-        task = asyncio.ensure_future(coro)
-        attempt.task, attempt.wid = task, target.wid
+        me = asyncio.current_task()
+        attempt.task, attempt.wid = me, target.wid
         self.cache.track(gid, attempt)
         try:
-            return await task
+            return await coro
         except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if attempt.moved and task.cancelled() and (me is None or me.cancelling() == 0):
+            if attempt.moved and me is not None and me.uncancel() == 0:
                 now = self.cache.leader_target(gid)
                 raise LeaderMoved(f"meta moved group {gid} from {target.wid} to "
                                   f"{now.wid if now is not None else 'nobody'}") from None
             raise
         finally:
             self.cache.untrack(gid, attempt)
-            if not task.done():
-                task.cancel()
 
     def _note_failure(self, st: RetryState, exc: Exception, attempt: Attempt, target: Target, write: bool) -> str:
         if isinstance(exc, LeaderMoved):

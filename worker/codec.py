@@ -36,6 +36,8 @@ def decode_entry(raw: list[Any]) -> m.Entry:
     term, seq, kind, data, rid, ts = raw
     if kind == "config":
         data = decode_config(data)
+    elif kind == "ops":
+        data, rid = tuple(data), tuple(rid)  # msgpack reads tuples back as lists
     return m.Entry(term, seq, kind, data, rid, ts)
 
 

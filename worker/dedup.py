@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from worker.replica_msgs import Entry
+from worker.replica_msgs import Entry, entry_rids
 
 
 class DedupTable:
@@ -42,11 +42,12 @@ class DedupTable:
     def apply(self, entry: Entry) -> None:
         if entry.ts > self._newest_ts:
             self._newest_ts = entry.ts
-        if entry.rid is not None and entry.kind == "op":
-            # A rid seen again (only possible after it expired) moves to the
-            # young end, keeping "first is oldest" true.
-            self._by_rid.pop(entry.rid, None)
-            self._by_rid[entry.rid] = (entry.seq, entry.ts)
+        if entry.rid is not None:
+            for rid in entry_rids(entry):
+                # A rid seen again (only possible after it expired) moves to the
+                # young end, keeping "first is oldest" true.
+                self._by_rid.pop(rid, None)
+                self._by_rid[rid] = (entry.seq, entry.ts)
         self._expire()
 
     def _expire(self) -> None:

@@ -53,6 +53,11 @@ RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 8192
 DOWNLOAD_ATTEMPTS = 8
 DOWNLOAD_CHUNK = 1 << 20
+# Peers talk over an ordered, reliable stream (worker/transport.py): an Append
+# is lost only with its connection, so an unanswered one is resent after a
+# second, not after the core's default, which under load resent batches that
+# were merely queued behind a busy CPU.
+RETRY_MS = 1000
 
 
 def now_ms() -> int:
@@ -217,7 +222,8 @@ class GroupShell:
         self.wal = wal
         self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
-                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms), stored)
+                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
+                                               retry_ms=RETRY_MS), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
@@ -266,6 +272,8 @@ class GroupShell:
         started = time.perf_counter()
         results: list[Outcome | BadOp | None] = [None] * len(writes)
         waiting: list[tuple[int, int, asyncio.Future[Outcome]]] = []
+        ops: list[Any] = []
+        rids: list[str | None] = []
         for i, (op, rid) in enumerate(writes):
             try:
                 self.plugin.validate(op)
@@ -275,8 +283,12 @@ class GroupShell:
             req = next(self._req_ids)
             fut: asyncio.Future[Outcome] = loop.create_future()
             self._pending[req] = (fut, started, "write")
-            self.deliver(m.ClientWrite(req, op, ack, rid))
             waiting.append((i, req, fut))
+            ops.append(op)
+            rids.append(rid)
+        if waiting:
+            # One event, so the core can make them one "ops" entry.
+            self.deliver(m.ClientWriteMany(tuple(w[1] for w in waiting), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
         try:
             if waiting:
                 await asyncio.wait([f for _, _, f in waiting], timeout=timeout_s)
@@ -423,17 +435,24 @@ class GroupShell:
     def _apply(self, entries: tuple[m.Entry, ...]) -> None:
         keep_results = bool(self._pending)
         for e in entries:
-            if e.kind == "op":
-                try:
-                    result: Any = self.plugin.apply(e.data, ApplyContext(e.seq, e.term, e.ts))
-                except BadOp as exc:
-                    result = _ApplyError(exc.code, exc.message)
+            if e.kind == "op" or e.kind == "ops":
+                ctx = ApplyContext(e.seq, e.term, e.ts)
+                if e.kind == "op":
+                    result: Any = self._apply_one(e.data, ctx)
+                else:
+                    result = _Results([self._apply_one(op, ctx) for op in e.data])
                 if keep_results:
                     self._results[e.seq] = result
                     if len(self._results) > RESULT_CACHE:
                         self._results.popitem(last=False)
             if e.seq - self._last_snapshot_seq >= self.settings.snapshot_every and e.seq not in self._plugin_snaps:
                 self._snapshot_plugin(e.seq)
+
+    def _apply_one(self, op: Any, ctx: ApplyContext) -> Any:
+        try:
+            return self.plugin.apply(op, ctx)
+        except BadOp as exc:
+            return _ApplyError(exc.code, exc.message)
 
     def _snapshot_plugin(self, seq: int) -> None:
         # The plugin is exactly at `seq` now: entries after it are applied
@@ -453,7 +472,7 @@ class GroupShell:
         if fut.done():
             return
         if r.ok:
-            result = self._results.pop(r.seq, None)
+            result = self._result_for(r)
             if isinstance(result, _ApplyError):
                 fut.set_result(Outcome(False, r.seq, r.term, result.code, message=result.message))
                 return
@@ -462,6 +481,19 @@ class GroupShell:
             fut.set_result(Outcome(True, r.seq, r.term, result=result))
         else:
             fut.set_result(Outcome(False, r.seq, r.term, r.error_code, r.leader))
+
+    def _result_for(self, r: m.Reply) -> Any:
+        """The plugin's result for an acknowledged write, handed out once."""
+        if r.idx is None:
+            result = self._results.pop(r.seq, None)
+            return None if isinstance(result, _Results) else result
+        many = self._results.get(r.seq)
+        if not isinstance(many, _Results) or r.idx >= len(many.items):
+            return None
+        many.left -= 1
+        if many.left <= 0:
+            del self._results[r.seq]
+        return many.items[r.idx]
 
     def _serve_read(self, s: m.ServeRead) -> None:
         pending = self._pending.get(s.req)
@@ -578,3 +610,13 @@ def _write_marker(path: Path, why: str) -> None:
 class _ApplyError:
     code: str
     message: str
+
+
+class _Results:
+    """The plugin's results for the ops of one "ops" entry, until each write has had its own."""
+
+    __slots__ = ("items", "left")
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.left = len(items)

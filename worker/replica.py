@@ -50,7 +50,9 @@ Idempotency
 Entries carry the client's request id; a replicated DedupTable (worker/
 dedup.py), derived from the applied log and the snapshot, remembers
 rid -> seq.  A write whose rid is applied is answered with its original seq;
-one whose rid is pending in the log is attached to that entry.
+one whose rid is pending in the log is attached to that entry.  Writes that
+arrive together (ClientWriteMany) share one "ops" entry, which carries one
+rid per op.
 
 Membership
 ----------
@@ -93,6 +95,7 @@ from worker.replica_msgs import (
     ChangeMembership,
     ClientRead,
     ClientWrite,
+    ClientWriteMany,
     Compact,
     Config,
     DownloadSnapshot,
@@ -121,6 +124,7 @@ from worker.replica_msgs import (
     Tick,
     TransferLeader,
     TransferReady,
+    entry_rids,
 )
 
 __all__ = ["Replica"]
@@ -150,6 +154,7 @@ class _WriteWaiter:
     ack: str
     deadline: int
     done: bool = False
+    idx: int | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +203,7 @@ class _Leadership:
 _HANDLERS: dict[type, str] = {
     MetaView: "_on_meta_view",
     ClientWrite: "_on_client_write",
+    ClientWriteMany: "_on_client_write_many",
     ClientRead: "_on_client_read",
     Tick: "_on_tick",
     TransferLeader: "_on_transfer_leader",
@@ -243,9 +249,7 @@ class Replica:
         self._applied = self._snap_seq
         self._dedup = self._dedup_from(snap)
         self._configs: list[tuple[int, Config]] = [(e.seq, e.data) for e in log if e.kind == "config"]
-        self._pending_rids: dict[str, int] = {
-            e.rid: e.seq for e in log if e.rid is not None and e.kind == "op"
-        }
+        self._pending_rids: dict[str, int] = {rid: e.seq for e in log for rid in entry_rids(e)}
         self._view: MetaView | None = None
         self._leader: str | None = None
         self._lead: _Leadership | None = None
@@ -437,7 +441,8 @@ class Replica:
                 self._configs.append((e.seq, e.data))
                 self._config_cache = None
             elif e.rid is not None:
-                self._pending_rids[e.rid] = e.seq
+                for rid in entry_rids(e):
+                    self._pending_rids[rid] = e.seq
 
     def _drop_after(self, seq: int) -> None:
         """Drop the suffix after `seq`.  A committed entry is never dropped:
@@ -1087,6 +1092,48 @@ class Replica:
         self._leader_append(e)
         self._await(w.req, e.seq, w.ack)
 
+    def _on_client_write_many(self, w: ClientWriteMany) -> None:
+        refusal = self._write_refusal()
+        if refusal is not None:
+            for req in w.reqs:
+                self._reply_error(req, *refusal)
+            return
+        rids = w.rids or (None,) * len(w.ops)
+        fresh: list[tuple[Any, Any, str | None]] = []
+        here: dict[str, int] = {}  # rid -> index in the new entry, for a rid repeated in this batch
+        later: list[tuple[Any, int]] = []
+        for req, op, rid in zip(w.reqs, w.ops, rids):
+            if rid is not None:
+                done = self._dedup.lookup(rid)
+                if done is not None:
+                    self._out.append(Reply(req, True, done, self._term, None, self._id))
+                    continue
+                pending = self._pending_rids.get(rid)
+                if pending is not None:
+                    self._await(req, pending, w.ack)
+                    continue
+                if rid in here:
+                    later.append((req, here[rid]))
+                    continue
+                here[rid] = len(fresh)
+            fresh.append((req, op, rid))
+        if not fresh:
+            return
+        seq = self.last_seq + 1
+        if len(fresh) == 1:
+            req, op, rid = fresh[0]
+            self._leader_append(Entry(self._term, seq, "op", op, rid, self._next_ts()))
+            self._await(req, seq, w.ack)
+            for req, _ in later:
+                self._await(req, seq, w.ack)
+            return
+        self._leader_append(Entry(self._term, seq, "ops", tuple(f[1] for f in fresh), tuple(f[2] for f in fresh),
+                                  self._next_ts()))
+        for i, (req, _, _) in enumerate(fresh):
+            self._await(req, seq, w.ack, i)
+        for req, i in later:
+            self._await(req, seq, w.ack, i)
+
     def _leader_append(self, e: Entry) -> None:
         self._log_append([e])
         self._persist(entries=[e])
@@ -1094,14 +1141,14 @@ class Replica:
             self._sync_progress()
         self._replicate_all()
 
-    def _await(self, req: Any, seq: int, ack: str) -> None:
+    def _await(self, req: Any, seq: int, ack: str, idx: int | None = None) -> None:
         lead = self._lead
         assert lead is not None
         if ack == "leader":
             # Our copy is durable once the Persist above is performed.
-            self._out.append(Reply(req, True, seq, self._term, None, self._id))
+            self._out.append(Reply(req, True, seq, self._term, None, self._id, idx))
             return
-        w = _WriteWaiter(req, seq, ack, self._now + self._cfg.quorum_timeout_ms)
+        w = _WriteWaiter(req, seq, ack, self._now + self._cfg.quorum_timeout_ms, idx=idx)
         if seq in lead.waiters:
             lead.waiters[seq].append(w)
         else:
@@ -1135,7 +1182,7 @@ class Replica:
 
     def _finish_write(self, w: _WriteWaiter) -> None:
         w.done = True
-        self._out.append(Reply(w.req, True, w.seq, self._term, None, self._id))
+        self._out.append(Reply(w.req, True, w.seq, self._term, None, self._id, w.idx))
 
     def _expire_writes(self) -> None:
         lead = self._lead
@@ -1391,8 +1438,10 @@ class Replica:
         pending = self._pending_rids
         for e in batch:
             self._dedup.apply(e)
-            if e.rid is not None and pending.get(e.rid) == e.seq:
-                del pending[e.rid]
+            if e.rid is not None:
+                for rid in entry_rids(e):
+                    if pending.get(rid) == e.seq:
+                        del pending[rid]
         self._applied = self._commit
         self._out.append(Apply(batch))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-EntryKind: TypeAlias = Literal["op", "term_start", "config"]
+EntryKind: TypeAlias = Literal["op", "ops", "term_start", "config"]
 AckMode: TypeAlias = Literal["leader", "quorum", "all"]
 Consistency: TypeAlias = Literal["strong", "follower"]
 
@@ -42,7 +42,7 @@ class Config:
 
 @dataclass(slots=True, frozen=True)
 class Entry:
-    """One log entry.  `data` is opaque for ops, a `Config` for config
+    """One log entry.  `data` is opaque for ops (a tuple of them for "ops"), a `Config` for config
     entries and None for term starts.  `ts` is the leader's clock when it
     appended the entry; it is what dedup expiry is computed from, so every
     replica derives the same table."""
@@ -51,8 +51,23 @@ class Entry:
     seq: int
     kind: EntryKind
     data: Any = None
-    rid: str | None = None
+    rid: Any = None  # str | None; for "ops", a tuple with one str | None per op
     ts: int = 0
+
+
+def entry_rids(e: Entry) -> tuple[str, ...]:
+    """The request ids an entry carries: one for an op, one per op of an "ops" entry.
+
+    An "ops" entry is several client writes appended as one entry (`data`
+    and `rid` are equal-length tuples): a batch costs one entry's worth of
+    log, replication and fsync work, and each write keeps its own rid for
+    dedup.
+    """
+    if e.kind == "op":
+        return () if e.rid is None else (e.rid,)
+    if e.kind == "ops":
+        return tuple(r for r in e.rid if r is not None)
+    return ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,6 +226,18 @@ class ClientWrite:
 
 
 @dataclass(slots=True, frozen=True)
+class ClientWriteMany:
+    """Several writes at once: those not already known by rid become ONE
+    entry; each gets its own Reply (for `reqs[i]`, with `idx` its position
+    in that entry)."""
+
+    reqs: tuple[Any, ...]
+    ops: tuple[Any, ...]
+    ack: AckMode = "quorum"
+    rids: tuple[str | None, ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class ClientRead:
     req: Any
     query: Any
@@ -297,6 +324,7 @@ class Reply:
     term: int = 0
     error_code: str | None = None
     leader: str | None = None
+    idx: int | None = None  # the write's position in an "ops" entry
 
 
 @dataclass(slots=True, frozen=True)

@@ -71,6 +71,7 @@ from worker.replica_msgs import (
     ChangeMembership,
     ClientRead,
     ClientWrite,
+    ClientWriteMany,
     Compact,
     Config,
     DownloadSnapshot,
@@ -91,6 +92,7 @@ from worker.replica_msgs import (
     Tick,
     TransferLeader,
     TransferReady,
+    entry_rids,
 )
 
 GROUP = 0
@@ -286,7 +288,7 @@ class Sim:
         self.m_views: list[MetaView] = []
         # checker state
         self.C: list[int] = [0]  # committed prefix hashes, C[seq]
-        self.C_rid: list[str | None] = [None]
+        self.C_rid: list[tuple[str, ...]] = [()]
         self.C_term: list[int] = [0]
         self.rid_seq: dict[str, int] = {}
         self.known: dict[tuple[int, int], int] = {}
@@ -567,11 +569,14 @@ class Sim:
             else:
                 C.append(h[s])
                 self.C_term.append(e.term)
-                self.C_rid.append(e.rid)
-                if e.rid is not None:
-                    if e.rid in self.rid_seq:
-                        self.fail(f"rid {e.rid} committed twice: {self.rid_seq[e.rid]} and {s}")
-                    self.rid_seq[e.rid] = s
+                rids = entry_rids(e)
+                self.C_rid.append(rids)
+                if e.kind == "ops":
+                    self.stats["ops_entries_committed"] += 1
+                for rid in rids:
+                    if rid in self.rid_seq:
+                        self.fail(f"rid {rid} committed twice: {self.rid_seq[rid]} and {s}")
+                    self.rid_seq[rid] = s
                 if e.kind == "config":
                     self.meta_record_config(e)
             node.applied = s
@@ -799,11 +804,29 @@ class Sim:
         return self.nodes[self.rng.choice(self.names)]
 
     def client_write(self) -> None:
-        i = self.new_id()
         ack = self.rng.choice(("quorum", "quorum", "quorum", "all", "leader"))
-        w = WriteOp(i, f"r{i}", i, ack)
-        self.writes[i] = w
-        self.send_write(w, self.pick_target())
+        batch = []
+        for _ in range(self.rng.choice((1, 1, 1, 2, 3, 5))):
+            i = self.new_id()
+            w = WriteOp(i, f"r{i}", i, ack)
+            self.writes[i] = w
+            batch.append(w)
+        if len(batch) == 1:
+            self.send_write(batch[0], self.pick_target())
+            return
+        # Several writes in one ClientWriteMany (one "ops" entry); a retry
+        # goes alone, so a rid can meet its batch again through dedup.
+        if self.rng.random() < 0.2:
+            batch.append(batch[0])  # the same write twice in one batch
+        node = self.pick_target()
+        reqs = []
+        for w in batch:
+            w.attempts += 1
+            reqs.append(("w", w.id, w.attempts))
+            self.at(self.now + 1500, self.write_silence, (w, w.attempts))
+        msg = ClientWriteMany(tuple(reqs), tuple(w.value for w in batch), ack, tuple(w.rid for w in batch))
+        self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, msg))
+        self.stats["write_batches"] += 1
 
     def send_write(self, w: WriteOp, node: Node) -> None:
         w.attempts += 1
@@ -832,7 +855,7 @@ class Sim:
         if rep.ok:
             if w.ack != "leader":
                 s = rep.seq
-                if s >= len(self.C) or self.C_rid[s] != w.rid:
+                if s >= len(self.C) or w.rid not in self.C_rid[s]:
                     self.fail(f"{node.name} acknowledged {w.rid}@{s} which is not committed there")
                 prev = self.acked.setdefault(w.rid, s)
                 if prev != s:

@@ -10,6 +10,8 @@ ENTRIES = (
     m.Entry(3, 10, "term_start", None, None, 5),
     m.Entry(3, 11, "op", {"kind": "put_item", "id": "a", "doc": {"x": [1, 2.5, None]}}, "rid-1", 6),
     m.Entry(3, 12, "config", m.Config(("w1", "w2", "w3"), ("w4",)), None, 7),
+    m.Entry(3, 13, "ops", ({"kind": "delete_item", "id": "a"}, {"kind": "put_item", "id": "b", "doc": 1}),
+            ("rid-2", None), 8),
 )
 ENV = dict(src="w1", dst="w2", group=1, term=3)
 

@@ -56,5 +56,7 @@ def test_runs_exercise_the_protocol() -> None:
         "crash_mid_list",
         "crash_disk_lost",
         "write_quorum_timeout",
+        "write_batches",
+        "ops_entries_committed",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

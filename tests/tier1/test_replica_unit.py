@@ -21,6 +21,7 @@ from worker.replica_msgs import (
     ChangeMembership,
     ClientRead,
     ClientWrite,
+    ClientWriteMany,
     Compact,
     Config,
     DownloadSnapshot,
@@ -388,6 +389,39 @@ def test_retried_rid_is_deduplicated() -> None:
     assert out[0] == Reply("w4", True, 2, 2, None, "b")
     rids = [e.rid for e in net.r["b"].entries(1, 99)]
     assert rids.count("r1") == 1
+
+
+def test_writes_submitted_together_share_one_ops_entry_and_keep_their_rids() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w0", "x", rid="r0"))
+    net.run()
+    # r0 is already applied, r2 appears twice, r3 has no rid: one new entry for r1, r2 and the rid-less op
+    net.do("a", ClientWriteMany(("m0", "m1", "m2", "m3", "m4"), ("x", "y", "z", "z", "q"), "quorum",
+                                ("r0", "r1", "r2", "r2", None)))
+    net.run()
+    entries = net.r["b"].entries(1, 99)
+    assert [e.kind for e in entries] == ["term_start", "op", "ops"]
+    assert entries[2].data == ("y", "z", "q") and entries[2].rid == ("r1", "r2", None)
+    replies = {r.req: r for r in net.of("a", Reply)}
+    assert replies["m0"] == Reply("m0", True, 2, 1, None, "a")  # answered from the dedup table
+    assert [(replies[k].seq, replies[k].idx) for k in ("m1", "m2", "m3", "m4")] == [(3, 0), (3, 1), (3, 1), (3, 2)]
+    # each rid of the ops entry is remembered, here and on a new leader
+    out = net.do("a", ClientWrite("again", "y", rid="r1"))
+    assert out[0] == Reply("again", True, 3, 1, None, "a") and net.r["a"].last_seq == 3
+    net.view(2, "b", VOTERS)
+    net.run()
+    out = net.do("b", ClientWriteMany(("b1", "b2"), ("z", "new"), "quorum", ("r2", "r9")))
+    net.run()
+    replies = {r.req: r for r in net.of("b", Reply)}
+    assert replies["b1"].seq == 3 and replies["b2"].seq == net.r["b"].last_seq > 3
+    assert net.r["b"].entries(net.r["b"].last_seq, net.r["b"].last_seq)[0].kind == "op"  # one fresh write: a plain op
+
+
+def test_writes_submitted_together_are_refused_together_off_leader() -> None:
+    net = ready_net()
+    out = net.do("b", ClientWriteMany(("x1", "x2"), ("a", "b"), "quorum", ("q1", "q2")))
+    assert [(r.req, r.error_code, r.leader) for r in out if isinstance(r, Reply)] == [
+        ("x1", "not_leader", "a"), ("x2", "not_leader", "a")]
 
 
 def test_pending_rid_survives_leader_change_and_commits_once() -> None:
