@@ -125,8 +125,8 @@ class _LatencyStats:
             self._mark = (now, self.writes)
         return self._rate
 
-    def observe(self, ms: float) -> None:
-        self.writes += 1
+    def observe(self, ms: float, writes: int = 1) -> None:
+        self.writes += writes
         self.ema_ms = ms if self.ema_ms == 0 else 0.9 * self.ema_ms + 0.1 * ms
         self.samples.append(ms)
         if len(self.samples) > 2048:
@@ -159,6 +159,7 @@ class GroupShell:
         self.replica: Replica | None = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: dict[int, tuple[asyncio.Future[Outcome], float, Any]] = {}
+        self._batched: dict[int, tuple[_BatchWait, int]] = {}  # write_many's writes: req -> (batch, index)
         self._req_ids = itertools.count(1)
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._plugin_snaps: dict[int, Path] = {}
@@ -243,6 +244,7 @@ class GroupShell:
         for fut, _, _ in self._pending.values():
             if not fut.done():
                 fut.set_result(Outcome(False, error_code="unavailable", message="worker shutting down"))
+        self._fail_batched("worker shutting down")
         if self._session is not None:
             await self._session.close()
         if self.wal is not None:
@@ -263,46 +265,47 @@ class GroupShell:
                          timeout_s: float) -> list[Outcome | BadOp]:
         """Several writes submitted together: one result each, in order (a BadOp for an invalid op).
 
-        One wait for all of them instead of a task per write.
+        They reach the core as one event (so they can share one "ops"
+        entry) and are waited for as one: the replies fill a `_BatchWait`,
+        which wakes this call once, instead of a future per write.
         """
         if self.failed is not None:
             failed = Outcome(False, error_code="unavailable", message=f"group {self.gid} failed here: {self.failed}")
             return [failed for _ in writes]
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        results: list[Outcome | BadOp | None] = [None] * len(writes)
-        waiting: list[tuple[int, int, asyncio.Future[Outcome]]] = []
+        batch = _BatchWait(asyncio.get_running_loop().create_future(), [None] * len(writes), time.perf_counter())
+        reqs: list[int] = []
         ops: list[Any] = []
         rids: list[str | None] = []
         for i, (op, rid) in enumerate(writes):
             try:
                 self.plugin.validate(op)
             except BadOp as exc:
-                results[i] = exc
+                batch.results[i] = exc
                 continue
             req = next(self._req_ids)
-            fut: asyncio.Future[Outcome] = loop.create_future()
-            self._pending[req] = (fut, started, "write")
-            waiting.append((i, req, fut))
+            self._batched[req] = (batch, i)
+            reqs.append(req)
             ops.append(op)
             rids.append(rid)
-        if waiting:
-            # One event, so the core can make them one "ops" entry.
-            self.deliver(m.ClientWriteMany(tuple(w[1] for w in waiting), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
+        if not reqs:
+            return batch.results  # type: ignore[return-value]
+        batch.left = len(reqs)
+        self.deliver(m.ClientWriteMany(tuple(reqs), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
         try:
-            if waiting:
-                await asyncio.wait([f for _, _, f in waiting], timeout=timeout_s)
+            await asyncio.wait_for(asyncio.shield(batch.fut), timeout_s)
+        except asyncio.TimeoutError:
+            pass
         finally:
-            for i, req, fut in waiting:
-                self._pending.pop(req, None)
-                if fut.done():
-                    results[i] = fut.result()
-                else:
-                    fut.cancel()
-                    results[i] = Outcome(False, error_code="quorum_timeout",
-                                         message="no answer within the deadline; outcome unknown",
-                                         leader=self.replica.leader if self.replica else None)
-        return results  # type: ignore[return-value]
+            timed_out = None
+            for req in reqs:
+                slot = self._batched.pop(req, None)
+                if slot is not None:
+                    # The write may still commit: outcome unknown, retry with the same rid.
+                    timed_out = timed_out or Outcome(False, error_code="quorum_timeout",
+                                                     message="no answer within the deadline; outcome unknown",
+                                                     leader=self.replica.leader if self.replica else None)
+                    batch.results[slot[1]] = timed_out
+        return batch.results  # type: ignore[return-value]
 
     async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> Outcome:
         deadline = now_ms() + int(timeout_s * 1000)
@@ -355,6 +358,7 @@ class GroupShell:
             for fut, _, _ in self._pending.values():
                 if not fut.done():
                     fut.set_result(Outcome(False, error_code="unavailable", message="group failed on this worker"))
+            self._fail_batched("group failed on this worker")
 
     async def _perform(self, effects: list[m.Effect]) -> None:
         persists = [e for e in effects if isinstance(e, m.Persist)]
@@ -433,7 +437,7 @@ class GroupShell:
     # -- applying ------------------------------------------------------------------------------
 
     def _apply(self, entries: tuple[m.Entry, ...]) -> None:
-        keep_results = bool(self._pending)
+        keep_results = bool(self._pending) or bool(self._batched)
         for e in entries:
             if e.kind == "op" or e.kind == "ops":
                 ctx = ApplyContext(e.seq, e.term, e.ts)
@@ -465,6 +469,10 @@ class GroupShell:
         self.deliver(m.Compact(seq))
 
     def _reply(self, r: m.Reply) -> None:
+        slot = self._batched.pop(r.req, None)
+        if slot is not None:
+            self._reply_batched(r, *slot)
+            return
         pending = self._pending.get(r.req)
         if pending is None:
             return
@@ -481,6 +489,28 @@ class GroupShell:
             fut.set_result(Outcome(True, r.seq, r.term, result=result))
         else:
             fut.set_result(Outcome(False, r.seq, r.term, r.error_code, r.leader))
+
+    def _reply_batched(self, r: m.Reply, batch: "_BatchWait", i: int) -> None:
+        if r.ok:
+            result = self._result_for(r)
+            if isinstance(result, _ApplyError):
+                batch.results[i] = Outcome(False, r.seq, r.term, result.code, message=result.message)
+            else:
+                batch.results[i] = Outcome(True, r.seq, r.term, result=result)
+        else:
+            batch.results[i] = Outcome(False, r.seq, r.term, r.error_code, r.leader)
+        batch.left -= 1
+        if batch.left == 0 and not batch.fut.done():
+            self.latency.observe((time.perf_counter() - batch.started) * 1000, len(batch.results))
+            batch.fut.set_result(None)
+
+    def _fail_batched(self, message: str) -> None:
+        for batch, i in self._batched.values():
+            batch.results[i] = Outcome(False, error_code="unavailable", message=message)
+            batch.left -= 1
+            if batch.left == 0 and not batch.fut.done():
+                batch.fut.set_result(None)
+        self._batched.clear()
 
     def _result_for(self, r: m.Reply) -> Any:
         """The plugin's result for an acknowledged write, handed out once."""
@@ -593,7 +623,7 @@ class GroupShell:
             "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,
             "write_rate": round(self.latency.rate(), 1),
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
-            "in_flight": len(self._pending), "voters": list(r.voters), "learners": list(r.learners),
+            "in_flight": len(self._pending) + len(self._batched), "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
             "snapshot_seq": self._last_snapshot_seq, "failed": self.failed, "resyncing": r.resyncing,
         }
@@ -610,6 +640,16 @@ def _write_marker(path: Path, why: str) -> None:
 class _ApplyError:
     code: str
     message: str
+
+
+@dataclass(slots=True, eq=False)
+class _BatchWait:
+    """The writes of one write_many: a result slot each, one future for all."""
+
+    fut: asyncio.Future[None]
+    results: list[Any]
+    started: float
+    left: int = 0
 
 
 class _Results:
