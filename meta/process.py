@@ -11,6 +11,7 @@ from aiohttp import web
 
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig
+from shardgrid.gctune import tune_gc
 from shardgrid.log import setup_logging
 
 
@@ -52,6 +53,7 @@ async def serve(cfg: MetaProcessConfig) -> None:
     await runner.setup()
     host, port = _split_hostport(cfg.me.http)
     await web.TCPSite(runner, host, port, reuse_address=True).start()
+    tune_gc()
     log.info("meta_started", raft=cfg.me.raft, http=cfg.me.http, peers=[p.id for p in cfg.peers],
              data=str(cfg.data_dir))
     await stop.wait()

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
+from shardgrid.gctune import tune_gc
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
 from worker import replica_msgs as m
@@ -262,6 +263,7 @@ async def serve(cfg: WorkerConfig) -> None:
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     node.start_background()
+    tune_gc()
     log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data))
     await stop.wait()
     log.info("worker_stopping")
