@@ -2,7 +2,7 @@
 
 A call is `[id, op, gid, body]` (op: write, write_batch, read); the answer
 `[id, status, body]` has the body of the matching HTTP route. Calls made in
-the same loop iteration leave in one frame, answers come back as they
+the same loop iteration leave together (`shardgrid.wire.pack_frames`), answers come back as they
 finish, and any number may be in flight: a busy gateway pays one socket
 write per batch of calls instead of an HTTP request and response per call.
 
@@ -20,104 +20,121 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from shardgrid.wire import packb, unpackb
+from shardgrid.wire import pack_frames, unpack_frame
 
 if TYPE_CHECKING:
     from gateway.forward import WorkerReply
     from gateway.router import Target
 
 CALLS_PATH = "/v1/calls"
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 3.0  # as worker/transport.py
 CONNECT_TIMEOUT_S = 1.0
 MAX_FRAME = 64 << 20
 
 
+class _Stream:
+    """One open WebSocket to a worker and the calls in flight on it."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.outbox: list[Any] = []
+        self.flush_scheduled = False
+        self.reader: asyncio.Task[None] | None = None
+
+    def fail_all(self, why: str) -> None:
+        broken = ConnectionResetError(why)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(broken)
+        self.pending.clear()
+
+
 class _Link:
-    """The stream to one worker address."""
+    """The stream to one worker address, reopened when it breaks."""
 
     def __init__(self, base: str, session: aiohttp.ClientSession) -> None:
         self.url = base + CALLS_PATH
         self.session = session
-        self.ws: aiohttp.ClientWebSocketResponse | None = None
-        self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.outbox: list[Any] = []
-        self.opening: asyncio.Future[None] | None = None
-        self.reader: asyncio.Task[None] | None = None
-        self.flush_scheduled = False
+        self.stream: _Stream | None = None
+        self.opening: asyncio.Future[_Stream] | None = None
         self.ids = itertools.count(1)
 
-    async def open(self) -> aiohttp.ClientWebSocketResponse:
+    def live(self) -> _Stream | None:
+        st = self.stream
+        return st if st is not None and not st.ws.closed else None
+
+    async def open(self) -> _Stream:
         """The live stream, opening it (once, shared by concurrent callers) if needed."""
-        if self.ws is not None and not self.ws.closed:
-            return self.ws
+        st = self.live()
+        if st is not None:
+            return st
         if self.opening is None or self.opening.done():
             self.opening = asyncio.ensure_future(self._connect())
-        await asyncio.shield(self.opening)
-        assert self.ws is not None
-        return self.ws
+        return await asyncio.shield(self.opening)
 
-    async def _connect(self) -> None:
-        ws = await self.session.ws_connect(self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME,
-                                           timeout=aiohttp.ClientWSTimeout(ws_close=1.0))
-        self.ws = ws
-        self.reader = asyncio.create_task(self._read(ws))
+    async def _connect(self) -> _Stream:
+        # Bounded here, not by the caller: a connect that hangs (a partition)
+        # must not stay the shared attempt after the network heals.
+        ws = await asyncio.wait_for(
+            self.session.ws_connect(self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME,
+                                    timeout=aiohttp.ClientWSTimeout(ws_close=1.0)),
+            CONNECT_TIMEOUT_S)
+        st = self.stream = _Stream(ws)
+        st.reader = asyncio.create_task(self._read(st))
+        return st
 
-    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    async def _read(self, st: _Stream) -> None:
         try:
-            async for frame in ws:
+            async for frame in st.ws:
                 if frame.type != aiohttp.WSMsgType.BINARY:
                     continue
-                for cid, status, body in unpackb(frame.data):
-                    fut = self.pending.pop(cid, None)
+                for cid, status, body in unpack_frame(frame.data):
+                    fut = st.pending.pop(cid, None)
                     if fut is not None and not fut.done():
                         fut.set_result((status, body))
         except (ValueError, TypeError, aiohttp.ClientError, OSError):
             pass
         finally:
-            if self.ws is ws:
-                self.ws = None
-            # Whatever was in flight on this stream has no answer now.
-            broken = ConnectionResetError("the stream to the worker closed")
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(broken)
-            self.pending.clear()
-            await ws.close()
+            if self.stream is st:
+                self.stream = None
+            # What was in flight on this stream has no answer now (calls on a
+            # newer stream are not affected).
+            st.fail_all("the stream to the worker closed")
+            await st.ws.close()
 
-    def submit(self, ws: aiohttp.ClientWebSocketResponse, op: str, gid: int,
-               body: Any) -> tuple[int, asyncio.Future[Any]]:
+    def submit(self, st: _Stream, op: str, gid: int, body: Any) -> tuple[int, asyncio.Future[Any]]:
         cid = next(self.ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending[cid] = fut
-        self.outbox.append([cid, op, gid, body])
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush, ws)
+        st.pending[cid] = fut
+        st.outbox.append([cid, op, gid, body])
+        if not st.flush_scheduled:
+            st.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush, st)
         return cid, fut
 
-    def _flush(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        self.flush_scheduled = False
-        calls, self.outbox = self.outbox, []
+    def _flush(self, st: _Stream) -> None:
+        st.flush_scheduled = False
+        calls, st.outbox = st.outbox, []
         if not calls:
             return
-        if ws.closed:
+        if st.ws.closed:
             for cid, *_ in calls:
-                fut = self.pending.pop(cid, None)
+                fut = st.pending.pop(cid, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(ConnectionResetError("the stream to the worker closed"))
             return
         # send_bytes only waits when the socket's buffer is full; a task keeps ordering simple.
-        task = asyncio.ensure_future(ws.send_bytes(packb(calls)))
-        task.add_done_callback(_ignore_failure)
-
-    def forget(self, cid: int) -> None:
-        self.pending.pop(cid, None)
+        for frame in pack_frames(calls):
+            task = asyncio.ensure_future(st.ws.send_bytes(frame))
+            task.add_done_callback(_ignore_failure)
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-        if self.ws is not None:
-            await self.ws.close()
+        st = self.stream
+        if st is not None:
+            if st.reader is not None:
+                st.reader.cancel()
+            await st.ws.close()
 
 
 def _ignore_failure(task: asyncio.Future[Any]) -> None:
@@ -139,23 +156,23 @@ class WorkerCalls:
         link = self._links.get(target.base)
         if link is None:
             link = self._links[target.base] = _Link(target.base, self.session)
-        ws = link.ws
-        if ws is None or ws.closed:
+        st = link.live()
+        if st is None:
             try:
-                ws = await asyncio.wait_for(link.open(), min(timeout_s, CONNECT_TIMEOUT_S))
+                st = await asyncio.wait_for(link.open(), min(timeout_s, CONNECT_TIMEOUT_S))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 raise AttemptFailed("refused", False,
                                     f"{target.wid} unreachable ({type(exc).__name__}: {exc})") from None
-        cid, fut = link.submit(ws, op, gid, body)
+        cid, fut = link.submit(st, op, gid, body)
         try:
             status, reply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            link.forget(cid)
+            st.pending.pop(cid, None)
             raise AttemptFailed("timeout", True, f"{target.wid} did not answer within {timeout_s:.3f}s") from None
         except ConnectionError as exc:
             raise AttemptFailed("broken", True, f"{target.wid}: {exc}") from None
         except asyncio.CancelledError:
-            link.forget(cid)
+            st.pending.pop(cid, None)
             raise
         return reply_from(status, {}, reply, target, gid)
 

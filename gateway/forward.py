@@ -689,7 +689,7 @@ class Forwarder:
         attempt.task, attempt.wid = me, target.wid
         self.cache.track(gid, attempt)
         try:
-            return await coro
+            reply = await coro
         except asyncio.CancelledError:
             if attempt.moved and me is not None and me.uncancel() == 0:
                 now = self.cache.leader_target(gid)
@@ -698,6 +698,11 @@ class Forwarder:
             raise
         finally:
             self.cache.untrack(gid, attempt)
+        if attempt.moved and me is not None and me.cancelling():
+            # The cache's cancel met an answer that had just arrived (3.11's
+            # wait_for then returns the answer): take the request back.
+            me.uncancel()
+        return reply
 
     def _note_failure(self, st: RetryState, exc: Exception, attempt: Attempt, target: Target, write: bool) -> str:
         if isinstance(exc, LeaderMoved):

@@ -5,7 +5,7 @@ Every HTTP error anywhere in shardgrid is
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import msgpack
 import orjson
@@ -67,6 +67,37 @@ def packb(obj: Any) -> bytes:
 def unpackb(data: bytes) -> Any:
     # strict_map_key=False: group ids are ints used as map keys.
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# A stream frame (worker/transport.py, gateway/calls.py) is msgpack values
+# back to back, cut at about this many bytes, so that one frame never holds
+# up a stream's pings for long nor hits a receiver's message limit.
+FRAME_BYTES = 1 << 20
+
+
+def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES) -> Iterator[bytes]:
+    """`items` as frames of at most about `limit` bytes (a larger item gets a frame to itself)."""
+    chunk: list[bytes] = []
+    size = 0
+    for item in items:
+        raw = packb(item)
+        if chunk and size + len(raw) > limit:
+            yield b"".join(chunk)
+            chunk, size = [], 0
+        chunk.append(raw)
+        size += len(raw)
+    if chunk:
+        yield b"".join(chunk)
+
+
+def unpack_frame(data: bytes) -> list[Any]:
+    """The items of one frame written by `pack_frames`. Raises ValueError if it is malformed."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        return list(unpacker)
+    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
+        raise ValueError(f"malformed frame: {exc}") from None
 
 
 @web.middleware

@@ -16,7 +16,7 @@ That honours the core's durability contract (no effect is performed before
 every earlier Persist is durable): effects are only ever delayed, never
 reordered ahead of a Persist.
 
-Snapshots: after applying entry S with `snapshot_every` entries since the
+Snapshots: after applying entry S with `snapshot_every` writes since the
 last snapshot, the plugin writes its files into a temp dir at exactly S, and
 `Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
 and only then the archive (plugin files + meta) is written and the WAL
@@ -53,11 +53,6 @@ RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 8192
 DOWNLOAD_ATTEMPTS = 8
 DOWNLOAD_CHUNK = 1 << 20
-# Peers talk over an ordered, reliable stream (worker/transport.py): an Append
-# is lost only with its connection, so an unanswered one is resent after a
-# second, not after the core's default, which under load resent batches that
-# were merely queued behind a busy CPU.
-RETRY_MS = 1000
 
 
 def now_ms() -> int:
@@ -164,6 +159,7 @@ class GroupShell:
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._plugin_snaps: dict[int, Path] = {}
         self._last_snapshot_seq = 0
+        self._since_snapshot = 0  # writes applied since the last snapshot (or since this process started)
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._download: asyncio.Task[None] | None = None
@@ -223,8 +219,7 @@ class GroupShell:
         self.wal = wal
         self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
-                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
-                                               retry_ms=RETRY_MS), stored)
+                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
@@ -449,7 +444,10 @@ class GroupShell:
                     self._results[e.seq] = result
                     if len(self._results) > RESULT_CACHE:
                         self._results.popitem(last=False)
-            if e.seq - self._last_snapshot_seq >= self.settings.snapshot_every and e.seq not in self._plugin_snaps:
+            # Counted in client writes, so that "ops" entries (up to a
+            # thousand writes each) do not stretch the interval.
+            self._since_snapshot += len(e.data) if e.kind == "ops" else 1
+            if self._since_snapshot >= self.settings.snapshot_every and e.seq not in self._plugin_snaps:
                 self._snapshot_plugin(e.seq)
 
     def _apply_one(self, op: Any, ctx: ApplyContext) -> Any:
@@ -466,6 +464,7 @@ class GroupShell:
         self.plugin.snapshot(tmp)
         self._plugin_snaps[seq] = tmp
         self._last_snapshot_seq = seq
+        self._since_snapshot = 0
         self.deliver(m.Compact(seq))
 
     def _reply(self, r: m.Reply) -> None:
@@ -513,17 +512,20 @@ class GroupShell:
         self._batched.clear()
 
     def _result_for(self, r: m.Reply) -> Any:
-        """The plugin's result for an acknowledged write, handed out once."""
-        if r.idx is None:
-            result = self._results.pop(r.seq, None)
-            return None if isinstance(result, _Results) else result
-        many = self._results.get(r.seq)
-        if not isinstance(many, _Results) or r.idx >= len(many.items):
+        """The plugin's result for an acknowledged write.
+
+        A plain op's result is handed out once; an "ops" entry's results stay
+        until every op has had its own (a retry attached to it gets it too,
+        while it is still here)."""
+        held = self._results.get(r.seq)
+        if not isinstance(held, _Results):
+            return self._results.pop(r.seq, None) if r.idx is None else None
+        if r.idx is None or r.idx >= len(held.items):
             return None
-        many.left -= 1
-        if many.left <= 0:
+        result = held.take(r.idx)
+        if held.left == 0:
             del self._results[r.seq]
-        return many.items[r.idx]
+        return result
 
     def _serve_read(self, s: m.ServeRead) -> None:
         pending = self._pending.get(s.req)
@@ -655,8 +657,15 @@ class _BatchWait:
 class _Results:
     """The plugin's results for the ops of one "ops" entry, until each write has had its own."""
 
-    __slots__ = ("items", "left")
+    __slots__ = ("items", "taken", "left")
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
+        self.taken = bytearray(len(items))
         self.left = len(items)
+
+    def take(self, i: int) -> Any:
+        if not self.taken[i]:
+            self.taken[i] = 1
+            self.left -= 1
+        return self.items[i]

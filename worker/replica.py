@@ -358,6 +358,19 @@ class Replica:
         base = self._snap_seq + 1
         return self._log[max(lo - base, 0) : max(hi - base + 1, 0)]
 
+    def _batch_from(self, lo: int) -> list[Entry]:
+        """The entries one Append or FetchReply carries from `lo`: at most
+        `max_batch_entries`, and at most `max_batch_ops` client writes (an
+        "ops" entry counts its ops) unless the first entry alone has more,
+        so a lagging follower is caught up in bounded messages."""
+        batch = self.entries(lo, lo + self._cfg.max_batch_entries - 1)
+        budget = self._cfg.max_batch_ops
+        for i, e in enumerate(batch):
+            budget -= len(e.data) if e.kind == "ops" else 1
+            if budget < 0 and i > 0:
+                return batch[:i]
+        return batch
+
     # ------------------------------------------------------------------
     # The single entry point
 
@@ -710,7 +723,7 @@ class Replica:
                 )
             )
             return
-        batch = self.entries(m.prev_seq + 1, m.prev_seq + self._cfg.max_batch_entries)
+        batch = self._batch_from(m.prev_seq + 1)
         self._send(FetchReply(**env, ok=True, prev_seq=m.prev_seq, prev_term=m.prev_term, entries=tuple(batch)))
 
     def _on_fetch_reply(self, m: FetchReply) -> None:
@@ -824,7 +837,7 @@ class Replica:
             pr.retry_at = self._now + self._cfg.snapshot_retry_ms
             return
         prev = pr.next - 1
-        batch = self.entries(pr.next, prev + self._cfg.max_batch_entries)
+        batch = self._batch_from(pr.next)
         self._send(
             Append(
                 src=self._id,
@@ -1082,11 +1095,11 @@ class Replica:
         if w.rid is not None:
             done = self._dedup.lookup(w.rid)
             if done is not None:
-                self._out.append(Reply(w.req, True, done, self._term, None, self._id))
+                self._out.append(Reply(w.req, True, done, self._term, None, self._id, self._index_of(w.rid, done)))
                 return
             pending = self._pending_rids.get(w.rid)
             if pending is not None:
-                self._await(w.req, pending, w.ack)
+                self._await(w.req, pending, w.ack, self._index_of(w.rid, pending))
                 return
         e = Entry(self._term, self.last_seq + 1, "op", w.op, w.rid, self._next_ts())
         self._leader_append(e)
@@ -1106,11 +1119,11 @@ class Replica:
             if rid is not None:
                 done = self._dedup.lookup(rid)
                 if done is not None:
-                    self._out.append(Reply(req, True, done, self._term, None, self._id))
+                    self._out.append(Reply(req, True, done, self._term, None, self._id, self._index_of(rid, done)))
                     continue
                 pending = self._pending_rids.get(rid)
                 if pending is not None:
-                    self._await(req, pending, w.ack)
+                    self._await(req, pending, w.ack, self._index_of(rid, pending))
                     continue
                 if rid in here:
                     later.append((req, here[rid]))
@@ -1133,6 +1146,13 @@ class Replica:
             self._await(req, seq, w.ack, i)
         for req, i in later:
             self._await(req, seq, w.ack, i)
+
+    def _index_of(self, rid: str, seq: int) -> int | None:
+        """The position of `rid` in the "ops" entry at `seq` (None for a plain op, or once compacted)."""
+        found = self.entries(seq, seq)
+        if found and found[0].kind == "ops" and rid in found[0].rid:
+            return found[0].rid.index(rid)
+        return None
 
     def _leader_append(self, e: Entry) -> None:
         self._log_append([e])

@@ -107,6 +107,7 @@ class ReplicaConfig:
     retry_ms: int = 200
     quorum_timeout_ms: int = 2000
     max_batch_entries: int = 1024
+    max_batch_ops: int = 4096  # client writes per Append/FetchReply ("ops" entries count each op)
     dedup_window_ms: int = 10 * 60 * 1000
     dedup_max: int = 100_000
     transfer_timeout_ms: int = 3000

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
-    packb, unpackb
+    pack_frames, packb, unpack_frame, unpackb
 from worker import replica_msgs as m
 from worker.codec import decode_message
 from worker.transport import HEARTBEAT_S, STREAM_PATH
@@ -88,7 +88,8 @@ class _Outbox:
             while self.items:
                 items, self.items = self.items, []
                 try:
-                    await self.ws.send_bytes(packb(items))
+                    for frame in pack_frames(items):
+                        await self.ws.send_bytes(frame)
                 except (ConnectionError, RuntimeError):
                     return  # the gateway went away; its calls fail over on its side
 
@@ -100,6 +101,7 @@ class WorkerApi:
     def __init__(self, node: "WorkerNode") -> None:
         self.node = node
         self._call_ops = {"write": self.do_write, "write_batch": self.do_write_batch, "read": self.do_read}
+        self._streams: set[web.WebSocketResponse] = set()  # open raft and call streams, closed on shutdown
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware], client_max_size=MAX_BODY)
@@ -119,7 +121,14 @@ class WorkerApi:
         r.add_post("/v1/groups/{gid}/members", self.members)
         r.add_get("/v1/groups/{gid}/snapshot", self.snapshot_manifest)
         r.add_get("/v1/groups/{gid}/snapshot/{seq}", self.snapshot_data)
+        app.on_shutdown.append(self._close_streams)
         return app
+
+    async def _close_streams(self, app: web.Application) -> None:
+        # Long-lived streams would otherwise hold the shutdown for its whole
+        # grace period; peers and gateways reconnect elsewhere or later.
+        for ws in list(self._streams):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"worker stopping")
 
     def _group(self, request: web.Request) -> Any:
         try:
@@ -156,16 +165,20 @@ class WorkerApi:
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
-        """A peer's message stream (worker/transport.py): binary frames, each a list of messages."""
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=0)
+        """A peer's message stream (worker/transport.py): binary frames of encoded messages."""
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
         await ws.prepare(request)
-        async for frame in ws:
-            if frame.type == WSMsgType.BINARY:
-                try:
-                    self._deliver_raft(unpackb(frame.data))
-                except (ValueError, TypeError, KeyError) as exc:
-                    self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
-                    break
+        self._streams.add(ws)
+        try:
+            async for frame in ws:
+                if frame.type == WSMsgType.BINARY:
+                    try:
+                        self._deliver_raft(unpack_frame(frame.data))
+                    except (ValueError, TypeError, KeyError) as exc:
+                        self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
+                        break
+        finally:
+            self._streams.discard(ws)
         return ws
 
     # -- data ops: one implementation for HTTP and for the call stream -------------
@@ -262,7 +275,7 @@ class WorkerApi:
         return CallResult(STATUS_FOR_CODE.get(code, 503), self._error(shell, out), headers)
 
     async def calls(self, request: web.Request) -> web.StreamResponse:
-        """The gateways' call stream: `[[id, op, gid, body], ...]` frames in, `[[id, status, body], ...]` out.
+        """The gateways' call stream: frames of `[id, op, gid, body]` calls in, of `[id, status, body]` answers out.
 
         The same data ops as the HTTP routes, without a request and a
         response per call: calls are answered as they finish, and answers
@@ -270,6 +283,7 @@ class WorkerApi:
         """
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
         await ws.prepare(request)
+        self._streams.add(ws)
         out = _Outbox(ws)
         tasks: set[asyncio.Task[None]] = set()
         try:
@@ -277,9 +291,7 @@ class WorkerApi:
                 if frame.type != WSMsgType.BINARY:
                     continue
                 try:
-                    batch = unpackb(frame.data)
-                    if not isinstance(batch, list):
-                        raise ValueError("a frame is a list of calls")
+                    batch = unpack_frame(frame.data)
                 except ValueError as exc:
                     self.node.log.warning("call_frame_malformed", error=str(exc))
                     break
@@ -288,6 +300,7 @@ class WorkerApi:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
         finally:
+            self._streams.discard(ws)
             for task in list(tasks):
                 task.cancel()
             out.close()

@@ -2,8 +2,9 @@
 
 Messages need no answer (the replication core retransmits what gets lost),
 so a sender never blocks the group loop: `send` enqueues, and the peer's
-task writes everything queued as ONE binary msgpack frame (a list of encoded
-messages) on a persistent WebSocket to the peer's `/v1/raft/stream`. Under
+task writes everything queued as binary frames (`shardgrid.wire.pack_frames`:
+encoded messages back to back, about 1 MiB at most per frame) on a
+persistent WebSocket to the peer's `/v1/raft/stream`. Under
 load that is the natural batching of DESIGN.md §5: while one frame is being
 written, the next gathers. A frame is one socket write with no reply, where
 an HTTP POST per batch cost four socket operations and aiohttp's client
@@ -11,7 +12,11 @@ machinery; on this 2-core machine that was most of a worker's CPU.
 
 A dead or partitioned peer is noticed by WebSocket ping/pong (`HEARTBEAT_S`):
 the stream closes, what was queued is dropped, and the task reconnects with
-a backoff. `POST /v1/raft` (the same list, one request) stays for tools.
+a backoff once there is something to send. `POST /v1/raft` (a msgpack list
+of messages, one request) stays for tools.
+
+All workers of a cluster must run the same version: an older worker has
+neither the stream endpoint nor the "ops" entries it carries.
 """
 from __future__ import annotations
 
@@ -21,16 +26,17 @@ from typing import Any, Callable
 
 import aiohttp
 
-from shardgrid.wire import packb
+from shardgrid.wire import pack_frames
 from worker.codec import encode_message
 from worker.replica_msgs import Message
 
 MAX_BATCH = 4096
 MAX_QUEUE = 100_000
 CONNECT_TIMEOUT_S = 1.0
-# Ping every HEARTBEAT_S; no pong within half of it closes the stream. Small
-# enough that a partition costs about one failover lease, not TCP's minutes.
-HEARTBEAT_S = 1.0
+# Ping every HEARTBEAT_S; no pong within half of it closes the stream: a
+# partition is noticed in seconds, not TCP's minutes, while a loop that
+# stalls for a second (a slow disk, a snapshot) does not tear streams down.
+HEARTBEAT_S = 3.0
 STREAM_PATH = "/v1/raft/stream"
 
 
@@ -76,15 +82,18 @@ class _Peer:
                 while self.queue:
                     n = min(len(self.queue), MAX_BATCH)
                     batch = [self.queue.popleft() for _ in range(n)]
-                    if ws.closed:
-                        raise ConnectionResetError("stream closed")
-                    await ws.send_bytes(packb(batch))
+                    for frame in pack_frames(batch):
+                        if ws.closed:
+                            raise ConnectionResetError("stream closed")
+                        await ws.send_bytes(frame)
                     self.failures = 0
                 self.wake.clear()
                 waker = asyncio.ensure_future(self.wake.wait())
-                done, _ = await asyncio.wait((waker, reader), return_when=asyncio.FIRST_COMPLETED)
-                if reader in done:
+                try:
+                    done, _ = await asyncio.wait((waker, reader), return_when=asyncio.FIRST_COMPLETED)
+                finally:
                     waker.cancel()
+                if reader in done:
                     raise ConnectionResetError(f"stream closed ({ws.close_code})")
         finally:
             reader.cancel()
@@ -95,8 +104,9 @@ class _Peer:
             self.log.warning("peer_send_failed", peer=self.addr, error=type(exc).__name__,
                              failures=self.failures, dropped=len(self.queue))
         # Drop what is queued (the core retransmits) and back off so a dead
-        # peer costs nothing.
+        # peer costs nothing; redial when there is something new to send.
         self.queue.clear()
+        self.wake.clear()
         await asyncio.sleep(min(0.05 * self.failures, 0.5))
 
     async def close(self) -> None:
@@ -105,6 +115,8 @@ class _Peer:
             await self.task
         except asyncio.CancelledError:
             pass
+        except Exception as exc:  # noqa: BLE001 - closing must go on to the other peers and the session
+            self.log.warning("peer_close_failed", peer=self.addr, error=f"{type(exc).__name__}: {exc}")
 
 
 async def _drain(ws: aiohttp.ClientWebSocketResponse) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 from worker import replica_msgs as m
 from worker.codec import decode_entry, decode_message, decode_snapshot_meta, encode_entry, encode_message, \
     encode_snapshot_meta
-from shardgrid.wire import packb, unpackb
+import pytest
+
+from shardgrid.wire import pack_frames, packb, unpack_frame, unpackb
 
 ENTRIES = (
     m.Entry(3, 10, "term_start", None, None, 5),
@@ -45,3 +47,14 @@ def test_unknown_type_is_rejected() -> None:
 
     with pytest.raises(ValueError):
         decode_message(["Nope", {}])
+
+
+def test_stream_frames_are_cut_by_size_and_keep_every_item_in_order() -> None:
+    items = [[i, "x" * 1000] for i in range(3000)]
+    frames = list(pack_frames(items, limit=100_000))
+    assert len(frames) > 1 and all(len(f) <= 100_000 for f in frames)
+    assert [x for f in frames for x in unpack_frame(f)] == items
+    big = ["y" * 300_000]
+    assert [unpack_frame(f) for f in pack_frames(big + [1], limit=100_000)] == [big, [1]]  # alone in its frame
+    with pytest.raises(ValueError):
+        unpack_frame(b"\xc1")

@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.routes import Gateway, GatewayConfig
-from shardgrid.wire import STATUS_FOR_CODE, error_body, packb, unpackb
+from shardgrid.wire import STATUS_FOR_CODE, error_body, pack_frames, packb, unpack_frame, unpackb
 
 MSGPACK = "application/msgpack"
 
@@ -66,7 +66,7 @@ class FakeWorker:
         return answer if answer is not None else self.default(call)
 
     async def _calls(self, request: web.Request) -> web.WebSocketResponse:
-        """The call stream the gateway uses: `[[id, op, gid, body], ...]` in, `[[id, status, body], ...]` out."""
+        """The call stream the gateway uses: frames of `[id, op, gid, body]` in, of `[id, status, body]` out."""
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         tasks: set[asyncio.Task[None]] = set()
@@ -74,11 +74,12 @@ class FakeWorker:
         async def one(cid: int, kind: str, gid: int, body: Any) -> None:
             status, answer = await self._answer(Call(kind, gid, body))
             if not ws.closed:
-                await ws.send_bytes(packb([[cid, status, answer]]))
+                for frame in pack_frames([[cid, status, answer]]):
+                    await ws.send_bytes(frame)
 
         try:
             async for frame in ws:
-                for cid, kind, gid, body in unpackb(frame.data):
+                for cid, kind, gid, body in unpack_frame(frame.data):
                     task = asyncio.create_task(one(cid, kind, gid, body))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)

@@ -417,6 +417,21 @@ def test_writes_submitted_together_share_one_ops_entry_and_keep_their_rids() -> 
     assert net.r["b"].entries(net.r["b"].last_seq, net.r["b"].last_seq)[0].kind == "op"  # one fresh write: a plain op
 
 
+def test_appends_to_a_lagging_follower_are_bounded_in_writes() -> None:
+    net = ready_net(cfg=ReplicaConfig(max_batch_ops=10))
+    net.drop = lambda m: m.dst == "c"
+    for b in range(5):
+        reqs = tuple(f"b{b}-{i}" for i in range(4))
+        net.do("a", ClientWriteMany(reqs, tuple(range(4)), "quorum", reqs))
+        net.run()
+    net.drop = lambda m: False
+    net.tick(1000)
+    net.run()
+    assert net.r["c"].last_seq == net.r["a"].last_seq
+    sizes = [sum(len(e.data) if e.kind == "ops" else 1 for e in a.entries) for a in net.sent(Append) if a.dst == "c"]
+    assert max(sizes) <= 10 and sum(sizes) >= 20  # never more than max_batch_ops writes in one Append
+
+
 def test_writes_submitted_together_are_refused_together_off_leader() -> None:
     net = ready_net()
     out = net.do("b", ClientWriteMany(("x1", "x2"), ("a", "b"), "quorum", ("q1", "q2")))
