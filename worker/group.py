@@ -50,7 +50,7 @@ from worker.wal import Wal
 
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
-RESULT_CACHE = 8192
+RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
 DOWNLOAD_ATTEMPTS = 8
 DOWNLOAD_CHUNK = 1 << 20
 
@@ -157,6 +157,7 @@ class GroupShell:
         self._batched: dict[int, tuple[_BatchWait, int]] = {}  # write_many's writes: req -> (batch, index)
         self._req_ids = itertools.count(1)
         self._results: OrderedDict[int, Any] = OrderedDict()
+        self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
         self._last_snapshot_seq = 0
         self._since_snapshot = 0  # writes applied since the last snapshot (or since this process started)
@@ -442,8 +443,9 @@ class GroupShell:
                     result = _Results([self._apply_one(op, ctx) for op in e.data])
                 if keep_results:
                     self._results[e.seq] = result
-                    if len(self._results) > RESULT_CACHE:
-                        self._results.popitem(last=False)
+                    self._results_held += _weight(result)
+                    while self._results_held > RESULT_CACHE and self._results:
+                        self._results_held -= _weight(self._results.popitem(last=False)[1])
             # Counted in client writes, so that "ops" entries (up to a
             # thousand writes each) do not stretch the interval.
             self._since_snapshot += len(e.data) if e.kind == "ops" else 1
@@ -514,18 +516,17 @@ class GroupShell:
     def _result_for(self, r: m.Reply) -> Any:
         """The plugin's result for an acknowledged write.
 
-        A plain op's result is handed out once; an "ops" entry's results stay
-        until every op has had its own (a retry attached to it gets it too,
-        while it is still here)."""
+        A plain op's result is handed out once. An "ops" entry's results
+        stay until the cache bound pushes them out, since how many replies
+        will come for it (retries, a rid repeated in a batch) is not known
+        here."""
         held = self._results.get(r.seq)
         if not isinstance(held, _Results):
-            return self._results.pop(r.seq, None) if r.idx is None else None
-        if r.idx is None or r.idx >= len(held.items):
-            return None
-        result = held.take(r.idx)
-        if held.left == 0:
-            del self._results[r.seq]
-        return result
+            if r.idx is not None or r.seq not in self._results:
+                return None
+            self._results_held -= 1
+            return self._results.pop(r.seq)
+        return held.items[r.idx] if r.idx is not None and r.idx < len(held.items) else None
 
     def _serve_read(self, s: m.ServeRead) -> None:
         pending = self._pending.get(s.req)
@@ -655,17 +656,13 @@ class _BatchWait:
 
 
 class _Results:
-    """The plugin's results for the ops of one "ops" entry, until each write has had its own."""
+    """The plugin's results for the ops of one "ops" entry, by position."""
 
-    __slots__ = ("items", "taken", "left")
+    __slots__ = ("items",)
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
-        self.taken = bytearray(len(items))
-        self.left = len(items)
 
-    def take(self, i: int) -> Any:
-        if not self.taken[i]:
-            self.taken[i] = 1
-            self.left -= 1
-        return self.items[i]
+
+def _weight(result: Any) -> int:
+    return len(result.items) if isinstance(result, _Results) else 1

@@ -738,16 +738,35 @@ class Replica:
         ):
             return  # not the answer to our current question
         if m.ok:
+            if not m.entries and m.prev_seq < lead.fetch_goal[1]:
+                self._restart_begin()  # the source no longer has the log it promised
+                return
             self._merge(m.entries)
             lead.fetch_prev = m.prev_seq + len(m.entries)
         else:
             back = min(self._find_conflict_by_term(m.hint_seq, m.hint_term), m.prev_seq - 1)
             if back < self._commit:
-                raise AssertionError(
-                    f"{self._id}: fetch source {m.src} disagrees with committed entry {back + 1}"
-                )
+                # The source disagrees with what we know is committed: it
+                # lost its log since it promised (a replaced disk comes back
+                # re-syncing). Its promise is void; ask the voters again.
+                self._restart_begin()
+                return
             lead.fetch_prev = back
         self._continue_fetch()
+
+    def _restart_begin(self) -> None:
+        """Collect promises again, with this replica's log as it is now.
+
+        What was fetched so far came from the best log of a majority, so it
+        stays; a replica that has lost its log is re-syncing and does not
+        promise, so the new majority is one whose logs can be trusted."""
+        lead = self._lead
+        assert lead is not None
+        lead.phase = _BEGIN
+        lead.promised = {self._id: (self.last_term, self.last_seq)}
+        lead.fetch_src, lead.fetch_goal, lead.fetch_prev = "", (0, 0), 0
+        self._send_begins()
+        self._maybe_finish_begin()
 
     def _continue_fetch(self) -> None:
         lead = self._lead

@@ -27,6 +27,7 @@ from worker.replica_msgs import (
     DownloadSnapshot,
     Entry,
     Fetch,
+    FetchReply,
     Heartbeat,
     HeartbeatReply,
     Message,
@@ -165,6 +166,32 @@ def test_begin_adopts_greatest_last_term_then_seq() -> None:
     assert log_of(a) == [(1, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
     # b's uncommitted (2,4),(2,5) are cut in favour of the adopted log
     assert log_of(net.r["b"]) == log_of(a)
+
+
+def test_a_fetch_source_that_lost_its_log_voids_its_promise_and_begin_is_asked_again() -> None:
+    # c promised the best log, then came back from a replaced disk: its answer
+    # contradicts what a knows is committed. a must ask for promises again, not crash.
+    net = Net(
+        {
+            "a": stored(3, [op(1, 1), op(1, 2)], commit=2),
+            "b": stored(3, [op(1, 1), op(1, 2)], commit=2),
+            "c": stored(3, [op(1, 1), op(1, 2), op(3, 3)], commit=2),
+        }
+    )
+    net.drop = lambda m: isinstance(m, (Begin, Fetch)) and m.dst == "b" or isinstance(m, Fetch)
+    net.view(4, "a", VOTERS)
+    net.run()
+    [fetch] = [f for f in net.sent(Fetch) if f.dst == "c"]
+    begins_before = len([b for b in net.sent(Begin) if b.dst == "b"])
+    out = net.do("a", FetchReply(src="c", dst="a", group=0, term=4, ok=False, prev_seq=fetch.prev_seq,
+                                 prev_term=fetch.prev_term, hint_seq=0, hint_term=0))
+    assert [m.msg.dst for m in out if isinstance(m, Send) and isinstance(m.msg, Begin)] == ["b", "c"]
+    assert len([b for b in net.sent(Begin) if b.dst == "b"]) == begins_before + 1
+    # b (whose promise is now what counts) and a form the majority: a leads with the log they hold
+    net.drop = lambda m: m.dst == "c"
+    net.tick(300)
+    net.run()
+    assert net.r["a"].ready and log_of(net.r["a"])[:2] == [(1, 1), (1, 2)]
 
 
 def test_begin_adopts_greatest_seq_on_equal_last_term() -> None:
@@ -407,7 +434,7 @@ def test_writes_submitted_together_share_one_ops_entry_and_keep_their_rids() -> 
     assert [(replies[k].seq, replies[k].idx) for k in ("m1", "m2", "m3", "m4")] == [(3, 0), (3, 1), (3, 1), (3, 2)]
     # each rid of the ops entry is remembered, here and on a new leader
     out = net.do("a", ClientWrite("again", "y", rid="r1"))
-    assert out[0] == Reply("again", True, 3, 1, None, "a") and net.r["a"].last_seq == 3
+    assert out[0] == Reply("again", True, 3, 1, None, "a", 0) and net.r["a"].last_seq == 3  # its place in the entry
     net.view(2, "b", VOTERS)
     net.run()
     out = net.do("b", ClientWriteMany(("b1", "b2"), ("z", "new"), "quorum", ("r2", "r9")))
