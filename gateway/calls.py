@@ -71,6 +71,8 @@ class _Link:
             return st
         if self.opening is None or self.opening.done():
             self.opening = asyncio.ensure_future(self._connect())
+            # Callers may have stopped waiting (their own deadline) before it fails.
+            self.opening.add_done_callback(_ignore_failure)
         return await asyncio.shield(self.opening)
 
     async def _connect(self) -> _Stream:
@@ -139,7 +141,7 @@ class _Link:
 
 def _ignore_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
-        task.exception()  # a broken stream fails its calls through the reader
+        task.exception()  # seen: a broken stream fails its calls through the reader, a failed open its callers
 
 
 class WorkerCalls:
