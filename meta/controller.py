@@ -28,6 +28,15 @@ BOOTSTRAP_GRACE_MS = 10_000
 CATCH_UP_LAG = 64
 
 
+def transfer_lag_allowed(leader: GroupReport, lease_ms: int) -> int:
+    """How far behind the leader's reported commit a transfer target's reported
+    last seq may be. The two reports are taken up to a report interval apart,
+    so a busy leader is ahead by about its write rate times that interval;
+    the leader itself waits for the target to hold its last entry before it
+    hands over, so this only turns away targets that are truly behind."""
+    return CATCH_UP_LAG + int(max(0.0, leader.write_rate) * lease_ms / 1000)
+
+
 @dataclass(frozen=True)
 class GroupReport:
     """What a worker last reported about its replica of one group."""
@@ -44,6 +53,7 @@ class GroupReport:
     config_seq: int = 0
     # The replica lost its log and re-syncs: it must neither lead nor vote.
     resyncing: bool = False
+    write_rate: float = 0.0  # acknowledged writes/s (leaders), for lag allowances
 
 
 @dataclass

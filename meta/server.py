@@ -19,9 +19,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import Gauge
 
-from meta.controller import (CATCH_UP_LAG, ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState,
-                             StartTransfer, UpdateOperator, advance_operator, best_transfer_target, decide, is_live,
-                             report_of)
+from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
+                             UpdateOperator, advance_operator, best_transfer_target, decide, is_live, report_of,
+                             transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
@@ -286,7 +286,8 @@ class MetaServer:
         if not is_live(soft, target, now, lease) or report_of(soft, target, gid) is None:
             raise ApiError("bad_request", f"{target} is not live (no recent heartbeat for group {gid})", shard=gid)
         lead_rep, tgt_rep = report_of(soft, g.leader, gid), report_of(soft, target, gid)
-        if lead_rep is not None and tgt_rep is not None and tgt_rep.last_seq < lead_rep.commit - CATCH_UP_LAG:
+        if lead_rep is not None and tgt_rep is not None and \
+                tgt_rep.last_seq < lead_rep.commit - transfer_lag_allowed(lead_rep, lease):
             raise ApiError("bad_request", f"{target} is not caught up: it has seq {tgt_rep.last_seq}, "
                            f"the leader committed {lead_rep.commit}", shard=gid)
         old_term, old_leader = g.term, g.leader
@@ -422,7 +423,8 @@ class MetaServer:
                     commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)),
                     voters=tuple(str(v) for v in rep.get("voters", ())),
                     learners=tuple(str(v) for v in rep.get("learners", ())),
-                    config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)))
+                    config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)),
+                    write_rate=float(rep.get("write_rate", 0) or 0))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None

@@ -40,12 +40,13 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from shardgrid.bench_cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
-from shardgrid.bench_load import (KINDS, MAX_BATCH, TARGETS, WRITE_KINDS, LoadConfig, MixError,
+from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, TARGETS, WRITE_KINDS, LoadConfig, MixError,
                                   check_mix_for_target, child_main, parse_mix)
 from shardgrid.bench_stats import KindTotals, latency_summary, merge_into, new_histogram, overall
 
 RESULT_VERSION = 1
-DEFAULT_URLS = {"shardgrid": "http://127.0.0.1:8080", "etcd": "http://127.0.0.1:2379"}
+DEFAULT_URLS = {"shardgrid": "http://127.0.0.1:8080", "etcd": "http://127.0.0.1:2379",
+                "etcd-grpc": "http://127.0.0.1:2379"}
 FSYNC_MODES = ("batch", "always", "none")
 READY_TIMEOUT_S = 60.0
 WORKERS_UP_TIMEOUT_S = 120.0
@@ -65,7 +66,8 @@ class BenchUsageError(BenchError):
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     kinds = ", ".join(f"{k} ({v})" for k, v in KINDS.items())
     p.add_argument("--target", choices=TARGETS, default="shardgrid",
-                   help="what to drive: shardgrid gateways, or etcd's put API for comparison (default shardgrid)")
+                   help="what to drive: shardgrid gateways, or etcd for comparison through its JSON gateway "
+                        "(etcd) or its native gRPC API (etcd-grpc) (default shardgrid)")
     p.add_argument("--cluster", choices=("local", "none"), default="none",
                    help="local: start a cluster for the run in a temp dir and stop it afterwards; "
                         "none (default): drive the running one at --gateway")
@@ -175,7 +177,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         raise bad("--timeout must be > 0")
     if args.search_k < 1:
         raise bad("--search-k must be >= 1")
-    if target == "etcd":
+    if target in ETCD_TARGETS:
         if args.ack not in (None, "quorum"):
             raise bad(f"--ack {args.ack} has no etcd equivalent: etcd acknowledges a put once a quorum has it")
         if args.deadline_ms is not None:
@@ -277,7 +279,7 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             shutil.rmtree(data, ignore_errors=True)
 
     try:
-        if opts.load.target == "etcd":
+        if opts.load.target in ETCD_TARGETS:
             from shardgrid.bench_etcd import LocalEtcd
 
             base = find_port_base([0, 1, 2, 100, 101, 102])
@@ -286,7 +288,7 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             started.append(etcd)
             etcd.start()
             env = ClusterEnv(urls=etcd.client_urls, pids={c.pid: c.name for c in etcd.children},
-                             info={"mode": "local", "target": "etcd", "members": 3, "data": str(data),
+                             info={"mode": "local", "target": opts.load.target, "members": 3, "data": str(data),
                                    "client_urls": etcd.client_urls})
         else:
             from shardgrid.devcluster import LocalCluster, generated_topology, wait_groups_ready
@@ -633,7 +635,7 @@ def format_report(r: dict[str, Any]) -> str:
     mix = ",".join(f"{k}={v:g}" for k, v in c["mix"].items())
     batch = f", batch {c['batch']}" if c["batch"] else ""
     lines.append(f"{r['command']}")
-    ack = "quorum (etcd)" if c["target"] == "etcd" else c["ack"] or "cluster default"
+    ack = "quorum (etcd)" if c["target"] in ETCD_TARGETS else c["ack"] or "cluster default"
     warm = f" after {c['warmup_s']} s warm-up" if c["warmup_s"] else ""
     lines.append(f"  target {c['target']} ({r['cluster']['mode']}), {mode}, {c['duration_s']:g} s measured"
                  f"{warm}, mix {mix}, "

@@ -64,7 +64,8 @@ KINDS: dict[str, str] = {
 WRITE_KINDS = frozenset({"put", "delete", "incr", "set", "embed"})
 MISS_KINDS = frozenset({"get", "delete", "signals"})  # 404 = served, nothing there: counted ok (a miss)
 ETCD_KINDS = ("put", "get", "delete")
-TARGETS = ("shardgrid", "etcd")
+TARGETS = ("shardgrid", "etcd", "etcd-grpc")
+ETCD_TARGETS = ("etcd", "etcd-grpc")
 MAX_BATCH = 1000  # the gateway's limit on writes per /batch
 
 _WEIGHT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
@@ -104,10 +105,10 @@ def parse_mix(spec: str) -> dict[str, float]:
 
 
 def check_mix_for_target(mix: dict[str, float], target: str) -> None:
-    if target == "etcd":
+    if target in ETCD_TARGETS:
         bad = [k for k in mix if k not in ETCD_KINDS]
         if bad:
-            raise MixError(f"--target etcd supports only {', '.join(ETCD_KINDS)} in --mix; "
+            raise MixError(f"--target {target} supports only {', '.join(ETCD_KINDS)} in --mix; "
                            f"got {', '.join(bad)}")
 
 
@@ -439,8 +440,8 @@ class EtcdTarget(_Target):
 def make_target(cfg: LoadConfig, rng: random.Random) -> _Target:
     if cfg.target == "shardgrid":
         return ShardgridTarget(cfg, rng)
-    if cfg.target == "etcd":
-        return EtcdTarget(cfg, rng)
+    if cfg.target in ETCD_TARGETS:
+        return EtcdTarget(cfg, rng)  # etcd-grpc uses its keys and value; GrpcEtcdSender its own wire
     raise ValueError(f"unknown target {cfg.target!r}; known: {', '.join(TARGETS)}")
 
 
@@ -666,15 +667,26 @@ async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> 
     rng = random.Random(cfg.seed * 1_000_003 + cfg.proc)
     target = make_target(cfg, rng)
     async with make_session(cfg) as session:
-        send = HttpSender(target, session)
-        q.put(("ready", cfg.proc, None))
-        while not go.is_set():
-            if stop.is_set():
-                return
-            await asyncio.sleep(0.005)
-        start_ns = time.monotonic_ns() + int((start_at.value - time.time()) * NS)
-        engine = Engine(cfg, send, lambda tick: q.put(("tick", cfg.proc, tick)), stop.is_set)
-        summary = await engine.run(start_ns)
+        grpc_send: Any = None
+        send: Send
+        if cfg.target == "etcd-grpc":
+            from shardgrid.bench_grpc import GrpcEtcdSender
+
+            grpc_send = send = GrpcEtcdSender(target)
+        else:
+            send = HttpSender(target, session)
+        try:
+            q.put(("ready", cfg.proc, None))
+            while not go.is_set():
+                if stop.is_set():
+                    return
+                await asyncio.sleep(0.005)
+            start_ns = time.monotonic_ns() + int((start_at.value - time.time()) * NS)
+            engine = Engine(cfg, send, lambda tick: q.put(("tick", cfg.proc, tick)), stop.is_set)
+            summary = await engine.run(start_ns)
+        finally:
+            if grpc_send is not None:
+                await grpc_send.close()
     q.put(("done", cfg.proc, summary))
 
 

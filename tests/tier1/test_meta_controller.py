@@ -96,3 +96,12 @@ def test_a_resyncing_replica_never_leads() -> None:
     soft.heard_from("w2", now, {0: GroupReport(term=5, last_term=9, last_seq=999, resyncing=True)})
     (action,) = [a for a in decide(gs, soft, now, LEASE) if a.group == 0]
     assert action.leader == "w3"
+
+
+def test_transfer_lag_allowance_grows_with_the_leaders_write_rate() -> None:
+    from meta.controller import CATCH_UP_LAG, transfer_lag_allowed
+
+    assert transfer_lag_allowed(GroupReport(commit=500), 1500) == CATCH_UP_LAG  # idle leader: the fixed bound
+    # 400 writes/s reported a lease (1.5 s) apart can put the target 600 entries behind the commit
+    assert transfer_lag_allowed(GroupReport(commit=500, write_rate=400.0), 1500) == CATCH_UP_LAG + 600
+    assert transfer_lag_allowed(GroupReport(write_rate=-5.0), 1500) == CATCH_UP_LAG
