@@ -53,6 +53,11 @@ RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
 DOWNLOAD_ATTEMPTS = 8
 DOWNLOAD_CHUNK = 1 << 20
+# A new learner is told to fetch a snapshot as soon as it is added, which can
+# be before its worker has opened the group (the message is then dropped).
+# Resending after a second instead of the core's 5 s keeps that from stalling
+# the catch-up; a replica already downloading ignores the repeats.
+SNAPSHOT_RETRY_MS = 1000
 
 
 def now_ms() -> int:
@@ -220,7 +225,8 @@ class GroupShell:
         self.wal = wal
         self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
-                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms), stored)
+                               m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
+                                               snapshot_retry_ms=SNAPSHOT_RETRY_MS), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 

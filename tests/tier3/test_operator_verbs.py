@@ -90,6 +90,8 @@ def test_transfer_under_load_then_add_and_remove_replicas(cluster: Cluster) -> N
         wait_until(lambda: len(load.acked) >= 150, 30, "150 acknowledged writes before the transfer")
         before = c.view()["groups"]["1"]
         target = next(w for w in ("w3", "w1", "w2") if w != before["leader"])
+        # A worker still importing torch joins late; meta refuses a target it has not heard from.
+        wait_until(lambda: c.view()["workers"][target]["live"], 30, f"{target} live in meta's view")
         res = c.topoctl("transfer", "1", "--to", target, timeout=20)
         assert res.returncode == 0, res.stderr
         assert f"leader {before['leader']} (term {before['term']})" in res.stdout and f"-> {target}" in res.stdout
