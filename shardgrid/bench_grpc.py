@@ -37,36 +37,30 @@ def field(num: int, data: bytes) -> bytes:
     return varint(num << 3 | 2) + varint(len(data)) + data
 
 
+def _read_varint(msg: bytes, i: int) -> tuple[int, int]:
+    """The varint at `msg[i:]` and the index after it."""
+    value = shift = 0
+    while True:
+        b = msg[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
 def top_fields(msg: bytes) -> set[int]:
     """The field numbers present at the top level of a protobuf message."""
     seen: set[int] = set()
     i, n = 0, len(msg)
     while i < n:
-        key = 0
-        shift = 0
-        while True:
-            b = msg[i]
-            i += 1
-            key |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        key, i = _read_varint(msg, i)
         num, wire = key >> 3, key & 7
         seen.add(num)
         if wire == 0:
-            while msg[i] & 0x80:
-                i += 1
-            i += 1
+            _, i = _read_varint(msg, i)
         elif wire == 2:
-            length = 0
-            shift = 0
-            while True:
-                b = msg[i]
-                i += 1
-                length |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
+            length, i = _read_varint(msg, i)
             i += length
         elif wire == 1:
             i += 8
