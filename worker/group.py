@@ -260,8 +260,10 @@ class GroupShell:
         self._queue.put_nowait(event)
 
     async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> Outcome:
-        self.plugin.validate(op)  # BadOp never enters the log
-        return await self._request(lambda req: m.ClientWrite(req, op, ack, rid), timeout_s, kind="write")  # type: ignore[arg-type]
+        [out] = await self.write_many([(op, rid)], ack, timeout_s)
+        if isinstance(out, BadOp):
+            raise out  # never enters the log
+        return out
 
     async def write_many(self, writes: list[tuple[Any, str | None]], ack: str,
                          timeout_s: float) -> list[Outcome | BadOp]:
@@ -327,8 +329,8 @@ class GroupShell:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except asyncio.TimeoutError:
-            # The write may still commit: outcome unknown, retry with the same request id.
-            return Outcome(False, error_code="quorum_timeout" if kind == "write" else "deadline_exceeded",
+            # A membership change may still commit: outcome unknown. (Writes go through write_many.)
+            return Outcome(False, error_code="deadline_exceeded",
                            message="no answer within the deadline; outcome unknown",
                            leader=self.replica.leader if self.replica else None)
         finally:
@@ -483,33 +485,27 @@ class GroupShell:
         pending = self._pending.get(r.req)
         if pending is None:
             return
-        fut, started, kind = pending
+        fut = pending[0]
         if fut.done():
             return
-        if r.ok:
-            result = self._result_for(r)
-            if isinstance(result, _ApplyError):
-                fut.set_result(Outcome(False, r.seq, r.term, result.code, message=result.message))
-                return
-            if kind == "write":
-                self.latency.observe((time.perf_counter() - started) * 1000)
-            fut.set_result(Outcome(True, r.seq, r.term, result=result))
-        else:
-            fut.set_result(Outcome(False, r.seq, r.term, r.error_code, r.leader))
+        fut.set_result(self._outcome_of(r))
 
     def _reply_batched(self, r: m.Reply, batch: "_BatchWait", i: int) -> None:
-        if r.ok:
-            result = self._result_for(r)
-            if isinstance(result, _ApplyError):
-                batch.results[i] = Outcome(False, r.seq, r.term, result.code, message=result.message)
-            else:
-                batch.results[i] = Outcome(True, r.seq, r.term, result=result)
-        else:
-            batch.results[i] = Outcome(False, r.seq, r.term, r.error_code, r.leader)
+        batch.results[i] = self._outcome_of(r)
         batch.left -= 1
         if batch.left == 0 and not batch.fut.done():
-            self.latency.observe((time.perf_counter() - batch.started) * 1000, len(batch.results))
+            acked = sum(1 for o in batch.results if isinstance(o, Outcome) and o.ok)
+            if acked:
+                self.latency.observe((time.perf_counter() - batch.started) * 1000, acked)
             batch.fut.set_result(None)
+
+    def _outcome_of(self, r: m.Reply) -> Outcome:
+        if not r.ok:
+            return Outcome(False, r.seq, r.term, r.error_code, r.leader)
+        result = self._result_for(r)
+        if isinstance(result, _ApplyError):
+            return Outcome(False, r.seq, r.term, result.code, message=result.message)
+        return Outcome(True, r.seq, r.term, result=result)
 
     def _fail_batched(self, message: str) -> None:
         for batch, i in self._batched.values():
