@@ -139,6 +139,11 @@ class _Link:
             await st.ws.close()
 
 
+def _time_out(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
 def _ignore_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # seen: a broken stream fails its calls through the reader, a failed open its callers
@@ -166,8 +171,11 @@ class WorkerCalls:
                 raise AttemptFailed("refused", False,
                                     f"{target.wid} unreachable ({type(exc).__name__}: {exc})") from None
         cid, fut = link.submit(st, op, gid, body)
+        # A timer on the call's own future, not wait_for (an extra future and
+        # callbacks per call).
+        timer = asyncio.get_running_loop().call_later(timeout_s, _time_out, fut)
         try:
-            status, reply = await asyncio.wait_for(fut, timeout_s)
+            status, reply = await fut
         except asyncio.TimeoutError:
             st.pending.pop(cid, None)
             raise AttemptFailed("timeout", True, f"{target.wid} did not answer within {timeout_s:.3f}s") from None
@@ -176,6 +184,8 @@ class WorkerCalls:
         except asyncio.CancelledError:
             st.pending.pop(cid, None)
             raise
+        finally:
+            timer.cancel()
         return reply_from(status, {}, reply, target, gid)
 
     async def close(self) -> None:

@@ -384,12 +384,13 @@ class GroupCaller:
         item = _Queued(op, rid, ack, loop.time() + budget.http_timeout_s, loop.create_future(), attempt)
         lane.queue.append(item)
         self._schedule(target, lane)
+        # One timer that settles the item, rather than wait_for's extra future
+        # and callbacks: this runs for every single write.
+        timer = loop.call_at(item.deadline, _expire, item, target.wid, budget.http_timeout_s)
         try:
-            outcome = await asyncio.wait_for(item.fut, budget.http_timeout_s)
-        except TimeoutError:
-            raise AttemptFailed("timeout", attempt.sent, f"{target.wid} did not answer within "
-                                f"{budget.http_timeout_s:.3f}s (coalesced)") from None
+            outcome = await item.fut
         finally:
+            timer.cancel()
             item.abandoned = True
         if isinstance(outcome, AttemptFailed):
             raise outcome
@@ -464,6 +465,10 @@ class GroupCaller:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _expire(q: _Queued, wid: str, timeout_s: float) -> None:
+    _settle(q, AttemptFailed("timeout", q.attempt.sent, f"{wid} did not answer within {timeout_s:.3f}s (coalesced)"))
 
 
 def _settle(q: _Queued, outcome: WorkerReply | AttemptFailed) -> None:

@@ -60,7 +60,8 @@ from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import check_bearer
 from shardgrid.ids import id_problem
-from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_middleware, error_response, json_response
+from shardgrid.httpmetrics import route_of
+from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
 
 MAX_ID_BYTES = 256
 MAX_BATCH = 1000
@@ -362,9 +363,7 @@ class Gateway:
         return self._rt
 
     def app(self) -> web.Application:
-        # error_middleware outside the edge: the edge renders ApiError itself (to add
-        # headers such as retry-after) and leaves anything unexpected to it.
-        app = web.Application(middlewares=[self.metrics.http.middleware, error_middleware, self._edge],
+        app = web.Application(middlewares=[self._edge],
                               client_max_size=self.cfg.max_body_bytes)
         app[LOGGER_KEY] = self.log
         r = app.router
@@ -411,7 +410,9 @@ class Gateway:
 
     @web.middleware
     async def _edge(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Trace, x-request-id echo, retry-after, and the access log line."""
+        """The gateway's one middleware: trace, the error shape, x-request-id echo,
+        retry-after, HTTP metrics and the access log line (one layer, not three: it
+        runs for every request)."""
         trace = Trace()
         request[TRACE_KEY] = trace
         t0 = time.perf_counter()
@@ -420,9 +421,10 @@ class Gateway:
         try:
             try:
                 resp = await handler(request)
-            except ApiError as err:
-                trace.outcome = err.code
-                resp = error_response(err)
+            except Exception as exc:  # noqa: BLE001 - error_for answers (500 for the unexpected) or re-raises
+                if isinstance(exc, ApiError):
+                    trace.outcome = exc.code
+                resp = error_for(exc, request)
             status = resp.status
             if status == 503:
                 resp.headers["retry-after"] = str(RETRY_AFTER_S)
@@ -433,13 +435,14 @@ class Gateway:
             status = exc.status
             raise
         finally:
+            route = route_of(request)
+            elapsed = time.perf_counter() - t0
+            self.metrics.http.observe(route, status, elapsed)
             if self.cfg.access_log:
-                resource = request.match_info.route.resource
-                self.log.info("access", method=request.method,
-                              route=resource.canonical if resource is not None else request.path,
+                self.log.info("access", method=request.method, route=route if route != "unmatched" else request.path,
                               status=status, shard=trace.shard, leader=trace.leader, attempts=trace.attempts,
                               outcome=trace.outcome or ("ok" if status < 400 else str(status)),
-                              ms=round((time.perf_counter() - t0) * 1000, 3), rid=trace.request_id)
+                              ms=round(elapsed * 1000, 3), rid=trace.request_id)
 
     # -- helpers
 

@@ -102,26 +102,31 @@ def unpack_frame(data: bytes) -> list[Any]:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn ApiError and aiohttp's HTTP exceptions into the one error shape.
+    """Turn ApiError and aiohttp's HTTP exceptions into the one error shape (see `error_for`)."""
+    try:
+        return await handler(request)
+    except Exception as exc:  # noqa: BLE001 - error_for answers or re-raises
+        return error_for(exc, request)
+
+
+def error_for(exc: Exception, request: web.Request) -> web.Response:
+    """The error response for an exception a handler raised; re-raises a non-error HTTPException.
 
     Unexpected exceptions become a 500 with a generic message (never a stack
     trace on the wire); the trace goes to the log.
     """
-    try:
-        return await handler(request)
-    except ApiError as err:
-        return error_response(err)
-    except web.HTTPException as exc:
+    if isinstance(exc, ApiError):
+        return error_response(exc)
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         code = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                 413: "payload_too_large"}.get(exc.status, "internal")
         return json_response(error_body(code, exc.reason or code), status=exc.status)
-    except Exception:  # noqa: BLE001 - last line of defence: log, answer 500
-        log = request.app.get(LOGGER_KEY)
-        if log is not None:
-            log.exception("unhandled_error", path=request.path, method=request.method)
-        return json_response(error_body("internal", "internal error; see the server log"), status=500)
+    log = request.app.get(LOGGER_KEY)
+    if log is not None:
+        log.error("unhandled_error", path=request.path, method=request.method, exc_info=exc)
+    return json_response(error_body("internal", "internal error; see the server log"), status=500)
 
 
 LOGGER_KEY: web.AppKey[Any] = web.AppKey("shardgrid_logger", object)

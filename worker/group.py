@@ -295,11 +295,13 @@ class GroupShell:
             return batch.results  # type: ignore[return-value]
         batch.left = len(reqs)
         self.deliver(m.ClientWriteMany(tuple(reqs), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
+        # A timer that wakes the batch, not wait_for + shield (two more futures
+        # and their callbacks per call); replies check fut.done() first.
+        timer = asyncio.get_running_loop().call_later(timeout_s, _wake, batch.fut)
         try:
-            await asyncio.wait_for(asyncio.shield(batch.fut), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+            await batch.fut
         finally:
+            timer.cancel()
             timed_out = None
             for req in reqs:
                 slot = self._batched.pop(req, None)
@@ -655,6 +657,11 @@ class _BatchWait:
     results: list[Any]
     started: float
     left: int = 0
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class _Results:

@@ -76,7 +76,10 @@ class _Peer:
 
     async def _stream(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         # The reader consumes pongs (and anything else); its end is the stream's end.
+        # The reader's end wakes the sender too: one Event to wait on, rather
+        # than a task and asyncio.wait per wake-up (one per replication round).
         reader = asyncio.create_task(_drain(ws))
+        reader.add_done_callback(lambda _: self.wake.set())
         try:
             while True:
                 while self.queue:
@@ -88,13 +91,9 @@ class _Peer:
                         await ws.send_bytes(frame)
                     self.failures = 0
                 self.wake.clear()
-                waker = asyncio.ensure_future(self.wake.wait())
-                try:
-                    done, _ = await asyncio.wait((waker, reader), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waker.cancel()
-                if reader in done:
+                if reader.done():
                     raise ConnectionResetError(f"stream closed ({ws.close_code})")
+                await self.wake.wait()
         finally:
             reader.cancel()
 
