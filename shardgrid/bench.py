@@ -96,6 +96,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="generator processes (one client tops out near 15k req/s); histograms are merged")
     p.add_argument("--max-inflight", type=int, default=10_000,
                    help="open loop: most requests outstanding at once, all processes (default 10000)")
+    p.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
+                   help="HTTP client of the generator: raw (lean keep-alive HTTP/1.1, shardgrid/bench_http.py; "
+                        "about a fifth of aiohttp's CPU per request) or aiohttp (default raw)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="client timeout per request (default 10)")
     p.add_argument("--embedding-dim", type=int, default=None,
                    help="vector length for embed/search (default: the local topology's, else 64)")
@@ -211,7 +214,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                       rate=args.rate, duration_s=float(args.duration), warmup_s=int(args.warmup), ack=args.ack,
                       deadline_ms=args.deadline_ms, value_bytes=args.value_bytes, batch=args.batch, keys=args.keys,
                       embedding_dim=args.embedding_dim or 64, search_k=args.search_k, timeout_s=args.timeout,
-                      max_inflight=args.max_inflight,
+                      max_inflight=args.max_inflight, client=args.client,
                       seed=args.seed if args.seed is not None else random.randrange(1 << 30),
                       run_id=f"b{secrets.token_hex(3)}")
     return BenchOptions(load=load, procs=args.procs, cluster=args.cluster, workers=args.workers, shards=args.shards,
@@ -602,7 +605,8 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
                    "duration_s": cfg.duration_s, "warmup_s": cfg.warmup_s, "mix": dict(cfg.mix),
                    "ack": cfg.ack, "deadline_ms": cfg.deadline_ms, "value_bytes": cfg.value_bytes,
                    "batch": cfg.batch, "keys": cfg.keys, "procs": opts.procs, "urls": env.urls,
-                   "timeout_s": cfg.timeout_s, "seed": cfg.seed},
+                   "timeout_s": cfg.timeout_s, "seed": cfg.seed,
+                   "client": "grpcio" if cfg.target == "etcd-grpc" else cfg.client},
         "cluster": env.info,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": list(loadavg[0]) if loadavg else None,
                     "loadavg_after": list(loadavg[1]) if loadavg else None},
@@ -640,7 +644,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"  target {c['target']} ({r['cluster']['mode']}), {mode}, {c['duration_s']:g} s measured"
                  f"{warm}, mix {mix}, "
                  f"ack {ack}, {c['value_bytes']}-byte values{batch}, "
-                 f"{len(c['urls'])} endpoint(s), {c['procs']} generator proc(s)")
+                 f"{len(c['urls'])} endpoint(s), {c['procs']} generator proc(s) ({c.get('client', 'aiohttp')} client)")
     if r["interrupted"]:
         lines.append("  INTERRUPTED: the figures cover the part that ran")
     rec = f", {r['records_per_s']:,.0f} records/s" if c["batch"] else ""

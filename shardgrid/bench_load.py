@@ -1,8 +1,10 @@
 """The load generator of `shardgrid bench`: operation mix, schedule, targets, engine.
 
-One generator process runs one `Engine` on uvloop with one aiohttp
-ClientSession (a large connection pool) and sends pre-built request bodies
-(orjson, built once or by byte concatenation); nothing is logged per request.
+One generator process runs one `Engine` on uvloop and sends pre-built request
+bodies (orjson, built once or by byte concatenation) over keep-alive
+connections: the lean client of `bench_http.py` (`--client raw`, the
+default) or one aiohttp ClientSession (`--client aiohttp`); nothing is
+logged per request.
 `bench.py` starts `--procs` of them (multiprocessing, spawn) and merges what
 they report.
 
@@ -184,6 +186,7 @@ class LoadConfig:
     proc: int = 0
     procs: int = 1
     run_id: str = "run"
+    client: str = "raw"  # HTTP targets: "raw" (bench_http.py) or "aiohttp"
 
     @property
     def kinds(self) -> list[str]:
@@ -668,11 +671,16 @@ async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> 
     target = make_target(cfg, rng)
     async with make_session(cfg) as session:
         grpc_send: Any = None
+        raw_send: Any = None
         send: Send
         if cfg.target == "etcd-grpc":
             from shardgrid.bench_grpc import GrpcEtcdSender
 
             grpc_send = send = GrpcEtcdSender(target)
+        elif cfg.client == "raw":
+            from shardgrid.bench_http import make_raw_sender
+
+            raw_send = send = make_raw_sender(target)
         else:
             send = HttpSender(target, session)
         try:
@@ -687,6 +695,8 @@ async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> 
         finally:
             if grpc_send is not None:
                 await grpc_send.close()
+            if raw_send is not None:
+                await raw_send.close()
     q.put(("done", cfg.proc, summary))
 
 

@@ -410,13 +410,15 @@ async def _run_cli(argv: list[str]) -> tuple[dict[str, Any], str]:
     return result, out.getvalue()
 
 
-async def test_end_to_end_closed_loop_two_procs(aiohttp_server: Any) -> None:
+@pytest.mark.parametrize("client", ["raw", "aiohttp"])
+async def test_end_to_end_closed_loop_two_procs(aiohttp_server: Any, client: str) -> None:
     fake = FakeGateway()
     server = await aiohttp_server(fake.app())
     url = f"http://127.0.0.1:{server.port}"
     r, out = await _run_cli(["--gateway", url, "--gateway", url + "/", "--concurrency", "4", "--procs", "2",
                              "--duration", "0.6", "--mix", "put=60,get=20,incr=20", "--ack", "all", "--keys", "50",
-                             "--cluster-pids", str(os.getpid())])
+                             "--cluster-pids", str(os.getpid()), "--client", client])
+    assert r["config"]["client"] == client and f"({client} client)" in format_report(r)
     assert r["ops"] > 10 and r["config"]["procs"] == 2 and not r["client"]["problems"]
     assert set(r["by_kind"]) == {"put", "get", "incr"}
     assert set(r["errors"]["by_code"]) <= {"quorum_timeout"}  # incr of entities ending in 7
