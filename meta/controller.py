@@ -10,6 +10,15 @@ it reported, preferring the group's preferred leader, then the lowest id, on
 ties. Only the dead worker's groups change term. A newly elected meta leader
 has no heartbeats yet, so it waits one full lease before judging anyone dead
 (KAFKA-15019 fenced healthy brokers by doing otherwise).
+
+Leader balance (Kafka's preferred-leader election): every group has a
+preferred leader — the topology's placement, or the target of the last
+operator transfer. Failovers and restarts move leaderships onto the
+survivors and nothing would move them back, so one worker ends up leading
+most groups (and, being one process, doing most of the write work). Once a
+group's preferred leader has been live for `REBALANCE_AFTER_MS` and is caught
+up, the controller asks for a graceful transfer back to it, one group at a
+time.
 """
 from __future__ import annotations
 
@@ -26,6 +35,11 @@ BOOTSTRAP_GRACE_MS = 10_000
 # A learner within this many entries of the leader's commit may be promoted
 # (the group core applies the same bound when it is asked).
 CATCH_UP_LAG = 64
+
+# A preferred leader gets its leadership back only after being live this long
+# without a gap: a worker that restarts in a loop must not drag leaderships
+# back and forth.
+REBALANCE_AFTER_MS = 10_000
 
 
 def transfer_lag_allowed(leader: GroupReport, lease_ms: int) -> int:
@@ -60,6 +74,7 @@ class GroupReport:
 class WorkerLiveness:
     last_seen_ms: int
     groups: dict[int, GroupReport] = field(default_factory=dict)
+    up_since_ms: int = 0  # start of the current run of heartbeats without a lease-long gap
 
 
 @dataclass
@@ -75,8 +90,13 @@ class SoftState:
     def know(self, worker: str, now_ms: int) -> None:
         self.first_known_ms.setdefault(worker, now_ms)
 
-    def heard_from(self, worker: str, now_ms: int, groups: Mapping[int, GroupReport]) -> None:
-        self.workers[worker] = WorkerLiveness(now_ms, dict(groups))
+    def heard_from(self, worker: str, now_ms: int, groups: Mapping[int, GroupReport],
+                   lease_ms: int | None = None) -> None:
+        prev = self.workers.get(worker)
+        up_since = now_ms
+        if prev is not None and (lease_ms is None or now_ms - prev.last_seen_ms < lease_ms):
+            up_since = prev.up_since_ms
+        self.workers[worker] = WorkerLiveness(now_ms, dict(groups), up_since)
 
 
 @dataclass(frozen=True)
@@ -244,6 +264,34 @@ def advance_operator(op: OperatorRecord, group: GroupRecord, soft: SoftState, no
                 return [update("done", f"{w} removed", done=True)]
             return [ChangeMembers(group.id, group.leader, remove=w), update(op.step, f"removing {w}")]
     return [update(op.step, f"unknown operator step {op.step!r}")]
+
+
+def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int,
+              busy: frozenset[int] = frozenset()) -> list[StartTransfer]:
+    """At most one transfer back to a preferred leader (lowest group id first).
+
+    Only for a ready group with no operator or call in progress (`busy`),
+    whose preferred leader is a voter, live without a gap for
+    REBALANCE_AFTER_MS, reports the group's current term, is not re-syncing,
+    and is within the transfer lag of the leader's commit.
+    """
+    if now_ms - soft.leader_since_ms < max(lease_ms, REBALANCE_AFTER_MS):
+        return []
+    for g in sorted(groups, key=lambda g: g.id):
+        pref = g.preferred_leader
+        if not g.ready or g.leader is None or pref is None or pref == g.leader or pref not in g.voters \
+                or g.id in busy:
+            continue
+        seen = soft.workers.get(pref)
+        if seen is None or not is_live(soft, pref, now_ms, lease_ms) or now_ms - seen.up_since_ms < REBALANCE_AFTER_MS:
+            continue
+        rep, lead = report_of(soft, pref, g.id), report_of(soft, g.leader, g.id)
+        if rep is None or lead is None or rep.resyncing or rep.term != g.term:
+            continue
+        if rep.last_seq < lead.commit - transfer_lag_allowed(lead, lease_ms):
+            continue
+        return [StartTransfer(g.id, g.leader, pref)]
+    return []
 
 
 def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int) -> list[Action]:

@@ -20,8 +20,8 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
-                             UpdateOperator, advance_operator, best_transfer_target, decide, is_live, report_of,
-                             transfer_lag_allowed)
+                             UpdateOperator, advance_operator, best_transfer_target, decide, is_live, rebalance,
+                             report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
@@ -38,6 +38,9 @@ COMMAND_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 10.0
 WORKER_CALL_TIMEOUT_S = 5.0
 CONTROLLER_PERIOD_S = 0.1
+# A group moved back to its preferred leader is left alone this long: its
+# transfer is under way until the new leader is ready.
+REBALANCE_COOLDOWN_MS = 15_000
 DEFAULT_LEASE_MS = 1500
 
 SERVER_KEY: web.AppKey["MetaServer"] = web.AppKey("meta_server", object)  # type: ignore[arg-type]
@@ -69,6 +72,7 @@ class MetaServer:
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
+        self._rebalanced_ms: dict[int, int] = {}  # group -> when the controller last moved it back
 
     # -- app ------------------------------------------------------------------
 
@@ -291,6 +295,9 @@ class MetaServer:
             raise ApiError("bad_request", f"{target} is not caught up: it has seq {tgt_rep.last_seq}, "
                            f"the leader committed {lead_rep.commit}", shard=gid)
         old_term, old_leader = g.term, g.leader
+        # The operator's choice sticks: the controller's leader balancing
+        # moves leaderships back to the preferred leader, which is now `target`.
+        self._raise_failed(await self._submit({"op": "set_preferred_leader", "group": gid, "leader": target}))
         try:
             status, answer = await self._worker_post(old_leader, f"/v1/groups/{gid}/transfer", {"to": target})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -428,7 +435,7 @@ class MetaServer:
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None
-        self.soft.heard_from(wid, _now_ms(), reports)
+        self.soft.heard_from(wid, _now_ms(), reports, self._lease_ms())
         self.heartbeat_raw[wid] = body
         return json_response({"ok": True, "revision": self.raft.sm.revision})
 
@@ -459,6 +466,16 @@ class MetaServer:
             group = sm.groups.get(op.group)
             if group is not None and op.group not in self._busy_groups:
                 actions.extend(advance_operator(op, group, self.soft, now, lease))
+        if not actions and not self._busy_groups:
+            # Balance only a quiet cluster: no failover, operator or call in
+            # flight, and not a group moved moments ago (its transfer may
+            # still be under way).
+            recent = {g for g, at in self._rebalanced_ms.items() if now - at < REBALANCE_COOLDOWN_MS}
+            for move in rebalance(list(sm.groups.values()), self.soft, now, lease,
+                                  frozenset(recent | set(sm.operators))):
+                self._rebalanced_ms[move.group] = now
+                self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target)
+                actions.append(move)
         for action in actions:
             await self._execute(action)
 

@@ -178,6 +178,18 @@ class MetaStateMachine:
         g.leader = cmd["leader"]
         return ok(group=g.id, term=g.term, leader=g.leader)
 
+    def _cmd_set_preferred_leader(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Where the operator wants a group's leadership (the controller moves it back there)."""
+        g = self.groups.get(cmd["group"])
+        if g is None:
+            return fail("not_found", f"no group {cmd['group']}")
+        if cmd["leader"] not in g.voters:
+            return fail("bad_request", f"{cmd['leader']!r} is not a voter of group {g.id}", voters=list(g.voters))
+        if g.preferred_leader == cmd["leader"]:
+            return ok(changed=False)
+        g.preferred_leader = cmd["leader"]
+        return ok(group=g.id, preferred_leader=g.preferred_leader)
+
     def _cmd_set_ready(self, cmd: dict[str, Any]) -> dict[str, Any]:
         g = self.groups.get(cmd["group"])
         if g is None:

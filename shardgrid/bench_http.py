@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from yarl import URL
 
-Prepared = tuple[str, URL, "bytes | None", dict[str, str], int]
-Outcome = tuple[bool, "str | None", int, "dict[str, int] | None", bool]
-Classify = Callable[[int, bytes, int], Outcome]
+if TYPE_CHECKING:
+    from shardgrid.bench_load import Outcome, Prepared
+
+Classify = Callable[[int, bytes, int], "Outcome"]
 
 MAX_HEAD = 64 << 10
 NO_BODY = frozenset((204, 304))
@@ -156,14 +157,14 @@ class _Conn(asyncio.Protocol):
 class RawHttpSender:
     """send(kind index) -> Outcome, like bench_load.HttpSender, on `_Conn`s; never raises."""
 
-    def __init__(self, prepare: list[Callable[[], Prepared]], classify: list[Classify], timeout_s: float) -> None:
+    def __init__(self, prepare: list[Callable[[], "Prepared"]], classify: list[Classify], timeout_s: float) -> None:
         self.prepare = prepare
         self.classify = classify
         self.timeout_s = timeout_s
         self._idle: dict[tuple[str, int], deque[_Conn]] = {}
         self._all: set[_Conn] = set()
 
-    async def __call__(self, kind: int) -> Outcome:
+    async def __call__(self, kind: int) -> "Outcome":
         method, url, body, headers, n = self.prepare[kind]()
         host, port = url.raw_host or "127.0.0.1", url.port or 80
         data = _request_bytes(method, url, host, port, body, headers)

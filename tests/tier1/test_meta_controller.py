@@ -1,7 +1,7 @@
 """The controller's failover decision (a pure function)."""
 from __future__ import annotations
 
-from meta.controller import GroupReport, SetLeader, SoftState, decide
+from meta.controller import REBALANCE_AFTER_MS, GroupReport, SetLeader, SoftState, StartTransfer, decide, rebalance
 from meta.state import GroupRecord
 
 LEASE = 1500
@@ -105,3 +105,72 @@ def test_transfer_lag_allowance_grows_with_the_leaders_write_rate() -> None:
     # 400 writes/s reported a lease (1.5 s) apart can put the target 600 entries behind the commit
     assert transfer_lag_allowed(GroupReport(commit=500, write_rate=400.0), 1500) == CATCH_UP_LAG + 600
     assert transfer_lag_allowed(GroupReport(write_rate=-5.0), 1500) == CATCH_UP_LAG
+
+
+# -- leader balance ---------------------------------------------------------------------------
+
+def _balanced_soft(now: int, up_since: int, commit: int = 100, pref_seq: int = 100) -> SoftState:
+    """w1 is back (live since `up_since`) after w2 took over group 0 at term 6."""
+    soft = SoftState(leader_since_ms=0)
+    for wid in ("w1", "w2", "w3"):
+        soft.heard_from(wid, up_since if wid == "w1" else 0, {}, LEASE)
+    for t in range(max(up_since, 0), now + 1, 500):
+        for wid in ("w1", "w2", "w3"):
+            if wid != "w1" or t >= up_since:
+                seq = pref_seq if wid == "w1" else commit
+                soft.heard_from(wid, t, {0: GroupReport(term=6, last_term=6, last_seq=seq, commit=commit,
+                                                        role="leader" if wid == "w2" else "follower")}, LEASE)
+    return soft
+
+
+def _moved() -> list[GroupRecord]:
+    gs = groups()
+    gs[0].term, gs[0].ready_term, gs[0].leader = 6, 6, "w2"  # failed over from w1, its preferred leader
+    return gs
+
+
+def test_leadership_goes_back_to_the_preferred_leader_once_it_has_been_up_long_enough() -> None:
+    now = 60_000
+    assert rebalance(_moved(), _balanced_soft(now, now - REBALANCE_AFTER_MS), now, LEASE) == [
+        StartTransfer(group=0, leader="w2", target="w1")]
+    # up for less than REBALANCE_AFTER_MS: not yet
+    assert rebalance(_moved(), _balanced_soft(now, now - REBALANCE_AFTER_MS + 500), now, LEASE) == []
+
+
+def test_a_gap_in_heartbeats_restarts_the_wait() -> None:
+    now = 60_000
+    soft = _balanced_soft(now, 0)
+    assert soft.workers["w1"].up_since_ms == 0
+    soft.heard_from("w1", now + LEASE + 1, soft.workers["w1"].groups, LEASE)  # silent for more than a lease
+    assert soft.workers["w1"].up_since_ms == now + LEASE + 1
+    assert rebalance(_moved(), soft, now + LEASE + 2, LEASE) == []
+
+
+def test_no_move_for_a_lagging_busy_unready_or_non_voter_preferred_leader() -> None:
+    now = 60_000
+    up = now - 2 * REBALANCE_AFTER_MS
+    assert rebalance(_moved(), _balanced_soft(now, up, commit=10_000, pref_seq=10), now, LEASE) == []  # lagging
+    assert rebalance(_moved(), _balanced_soft(now, up), now, LEASE, busy=frozenset({0})) == []
+    unready = _moved()
+    unready[0].ready_term = 5
+    assert rebalance(unready, _balanced_soft(now, up), now, LEASE) == []
+    removed = _moved()
+    removed[0].voters = ["w2", "w3"]
+    assert rebalance(removed, _balanced_soft(now, up), now, LEASE) == []
+    # a new meta leader waits before balancing anything
+    fresh = _balanced_soft(now, up)
+    fresh.leader_since_ms = now - 1000
+    assert rebalance(_moved(), fresh, now, LEASE) == []
+
+
+def test_one_move_at_a_time_lowest_group_first() -> None:
+    now = 60_000
+    gs = _moved()
+    gs[2].term, gs[2].ready_term, gs[2].leader = 6, 6, "w2"  # group 2 prefers w3
+    soft = _balanced_soft(now, now - 2 * REBALANCE_AFTER_MS)
+    for wid in ("w2", "w3"):
+        reps = dict(soft.workers[wid].groups)
+        reps[2] = GroupReport(term=6, last_term=6, last_seq=100, commit=100)
+        soft.heard_from(wid, now, reps, LEASE)
+    assert rebalance(gs, soft, now, LEASE) == [StartTransfer(group=0, leader="w2", target="w1")]
+    assert rebalance(gs, soft, now, LEASE, busy=frozenset({0})) == [StartTransfer(group=2, leader="w2", target="w3")]

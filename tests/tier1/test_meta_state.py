@@ -72,6 +72,18 @@ def test_set_leader_refuses_a_non_voter(sm: MetaStateMachine) -> None:
     assert sm.groups[0].term == 1
 
 
+def test_preferred_leader_is_a_voter_and_changes_nothing_else(sm: MetaStateMachine) -> None:
+    term, leader, rev = sm.groups[1].term, sm.groups[1].leader, sm.revision
+    res = sm.apply({"op": "set_preferred_leader", "group": 1, "leader": "w3"})
+    assert res["ok"] and sm.groups[1].preferred_leader == "w3" and sm.revision == rev + 1
+    assert (sm.groups[1].term, sm.groups[1].leader) == (term, leader)  # no leadership change by itself
+    again = sm.apply({"op": "set_preferred_leader", "group": 1, "leader": "w3"})
+    assert again["ok"] and again["changed"] is False and sm.revision == rev + 1
+    bad = sm.apply({"op": "set_preferred_leader", "group": 1, "leader": "w9"})
+    assert bad["ok"] is False and bad["code"] == "bad_request" and sm.groups[1].preferred_leader == "w3"
+    assert sm.apply({"op": "set_preferred_leader", "group": 7, "leader": "w1"})["code"] == "not_found"
+
+
 def test_set_ready_only_for_the_current_term_and_leader(sm: MetaStateMachine) -> None:
     assert sm.apply({"op": "set_ready", "group": 0, "term": 1, "leader": "w2"})["code"] == "conflict"
     assert sm.apply({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"})["ok"]

@@ -1,4 +1,4 @@
-"""Real meta + worker processes: quorum acks, leader SIGKILL under writes, catch-up."""
+"""Real meta + worker processes: quorum acks, leader SIGKILL under writes, catch-up, leadership back."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
+from meta.controller import REBALANCE_AFTER_MS
 from tests.support.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.tier3
@@ -130,6 +131,19 @@ def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
     got = asyncio.run(read_all(c.worker_addr(victim), "follower"))
     missing = [k for k, (st, doc) in got.items() if st != 200 or doc != {"v": k}]
     assert not missing, f"restarted {victim} lacks {len(missing)} acknowledged writes"
+
+    # The victim was the group's preferred leader (the topology's placement):
+    # once it has been up for REBALANCE_AFTER_MS and caught up, meta's
+    # controller moves the leadership back to it with a graceful transfer.
+    assert v["groups"][str(gid)]["preferred_leader"] == victim
+
+    def led_by_victim() -> bool:
+        g = c.view()["groups"][str(gid)]
+        return g["leader"] == victim and g["ready_term"] == g["term"]
+    wait_until(led_by_victim, REBALANCE_AFTER_MS / 1000 + 20.0, f"the leadership of group {gid} to return to {victim}")
+    got = asyncio.run(read_all(c.worker_addr(victim), "strong"))
+    missing = [k for k, (st, doc) in got.items() if st != 200 or doc != {"v": k}]
+    assert not missing, f"{victim}, leading again, lacks {len(missing)} acknowledged writes"
 
 
 def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
