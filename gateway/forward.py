@@ -704,8 +704,9 @@ class Forwarder:
         finally:
             self.cache.untrack(gid, attempt)
         if attempt.moved and me is not None and me.cancelling():
-            # The cache's cancel met an answer that had just arrived (3.11's
-            # wait_for then returns the answer): take the request back.
+            # The cache's cancel was swallowed on the way (a wait_for, such
+            # as the stream open's, that returned its result instead):
+            # take the request back.
             me.uncancel()
         return reply
 

@@ -270,8 +270,8 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
               busy: frozenset[int] = frozenset()) -> list[StartTransfer]:
     """At most one transfer back to a preferred leader (lowest group id first).
 
-    Only for a ready group with no operator or call in progress (`busy`),
-    whose preferred leader is a voter, live without a gap for
+    Only for a ready group with a live leader and no operator or call in
+    progress (`busy`), whose preferred leader is a voter, live without a gap for
     REBALANCE_AFTER_MS, reports the group's current term, is not re-syncing,
     and is within the transfer lag of the leader's commit.
     """
@@ -280,8 +280,8 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
     for g in sorted(groups, key=lambda g: g.id):
         pref = g.preferred_leader
         if not g.ready or g.leader is None or pref is None or pref == g.leader or pref not in g.voters \
-                or g.id in busy:
-            continue
+                or g.id in busy or not is_live(soft, g.leader, now_ms, lease_ms):
+            continue  # (a silent leader is failover's business)
         seen = soft.workers.get(pref)
         if seen is None or not is_live(soft, pref, now_ms, lease_ms) or now_ms - seen.up_since_ms < REBALANCE_AFTER_MS:
             continue

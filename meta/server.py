@@ -38,9 +38,13 @@ COMMAND_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 10.0
 WORKER_CALL_TIMEOUT_S = 5.0
 CONTROLLER_PERIOD_S = 0.1
-# A group moved back to its preferred leader is left alone this long: its
-# transfer is under way until the new leader is ready.
+# A group moved back to its preferred leader is not moved again for this
+# long, doubled after each move that did not leave it with its preferred
+# leader (up to REBALANCE_BACKOFF_MAX_MS): a move that keeps failing (the
+# leader cannot reach the target, say) must not pause the group's writes
+# every few seconds.
 REBALANCE_COOLDOWN_MS = 15_000
+REBALANCE_BACKOFF_MAX_MS = 600_000
 DEFAULT_LEASE_MS = 1500
 
 SERVER_KEY: web.AppKey["MetaServer"] = web.AppKey("meta_server", object)  # type: ignore[arg-type]
@@ -54,6 +58,21 @@ def _now_ms() -> int:
 class MetaServerConfig:
     admin_token: str | None = None
     controller: bool = True
+
+
+@dataclass
+class _BalanceMove:
+    """Leader balance's record of one group: the move under way and its backoff."""
+
+    term: int | None = None  # the group's term when the move under way started
+    at: int = 0
+    attempts: int = 0  # moves since the group last ended with its preferred leader
+    retry_at: int = 0
+
+    def started(self, now: int, term: int) -> None:
+        self.term, self.at = term, now
+        self.attempts += 1
+        self.retry_at = now + min(REBALANCE_COOLDOWN_MS << (self.attempts - 1), REBALANCE_BACKOFF_MAX_MS)
 
 
 class MetaServer:
@@ -72,7 +91,7 @@ class MetaServer:
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
-        self._rebalanced_ms: dict[int, int] = {}  # group -> when the controller last moved it back
+        self._balance: dict[int, _BalanceMove] = {}  # leader balance, per group moved
 
     # -- app ------------------------------------------------------------------
 
@@ -266,7 +285,12 @@ class MetaServer:
             return resp.status, orjson.loads(await resp.read())
 
     async def transfer(self, request: web.Request) -> web.Response:
-        """Graceful leadership transfer: returns once the new leader is ready."""
+        """Graceful leadership transfer: returns once the new leader is ready.
+
+        The target also becomes the group's preferred leader (once the
+        transfer succeeded, or at once when it already leads), so the
+        controller's leader balance keeps the operator's choice.
+        """
         check_bearer(request.headers.get("Authorization"), self.config.admin_token)
         soft = self._require_leader()
         gid = self._gid(request)
@@ -283,6 +307,7 @@ class MetaServer:
             if target is None:
                 raise ApiError("unavailable", f"group {gid} has no live voter to take over", shard=gid)
         if target == g.leader:
+            await self._prefer(gid, target)
             return json_response({"group": gid, "changed": False, "leader": g.leader, "term": g.term})
         if target not in g.voters:
             raise ApiError("bad_request", f"{target} is not a voter of group {gid} (voters: {', '.join(g.voters)})",
@@ -294,10 +319,18 @@ class MetaServer:
                 tgt_rep.last_seq < lead_rep.commit - transfer_lag_allowed(lead_rep, lease):
             raise ApiError("bad_request", f"{target} is not caught up: it has seq {tgt_rep.last_seq}, "
                            f"the leader committed {lead_rep.commit}", shard=gid)
-        old_term, old_leader = g.term, g.leader
-        # The operator's choice sticks: the controller's leader balancing
-        # moves leaderships back to the preferred leader, which is now `target`.
-        self._raise_failed(await self._submit({"op": "set_preferred_leader", "group": gid, "leader": target}))
+        if gid in self._busy_groups:
+            raise ApiError("conflict", f"group {gid} has a leader call in progress (an operator step or leader "
+                           "balance); retry in a few seconds", shard=gid)
+        # Busy for the whole hand-over: the controller neither balances nor
+        # steps an operator of this group meanwhile.
+        self._busy_groups.add(gid)
+        try:
+            return await self._hand_over(gid, g.term, g.leader, target)
+        finally:
+            self._busy_groups.discard(gid)
+
+    async def _hand_over(self, gid: int, old_term: int, old_leader: str, target: str) -> web.Response:
         try:
             status, answer = await self._worker_post(old_leader, f"/v1/groups/{gid}/transfer", {"to": target})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -309,12 +342,19 @@ class MetaServer:
         while time.monotonic() < deadline:
             cur = self.raft.sm.groups[gid]
             if cur.term > old_term and cur.ready:
+                if cur.leader != target:
+                    raise ApiError("conflict", f"group {gid} moved to {cur.leader} (term {cur.term}), not {target}: "
+                                   "another change won", shard=gid, leader=cur.leader, term=cur.term)
+                await self._prefer(gid, target)
                 return json_response({"group": gid, "changed": True, "old_term": old_term, "old_leader": old_leader,
                                       "new_term": cur.term, "new_leader": cur.leader})
             await self.raft.wait_changed(0.2)
         cur = self.raft.sm.groups[gid]
         raise ApiError("deadline_exceeded", f"group {gid} did not finish the transfer in {TRANSFER_TIMEOUT_S:.0f} s "
                        f"(term {cur.term}, leader {cur.leader}, ready {cur.ready})", shard=gid)
+
+    async def _prefer(self, gid: int, worker: str) -> None:
+        self._raise_failed(await self._submit({"op": "set_preferred_leader", "group": gid, "leader": worker}))
 
     async def replicas(self, request: web.Request) -> web.Response:
         """Start a staged operator: add a replica (learner, catch up, promote) or remove one."""
@@ -466,18 +506,34 @@ class MetaServer:
             group = sm.groups.get(op.group)
             if group is not None and op.group not in self._busy_groups:
                 actions.extend(advance_operator(op, group, self.soft, now, lease))
-        if not actions and not self._busy_groups:
-            # Balance only a quiet cluster: no failover, operator or call in
-            # flight, and not a group moved moments ago (its transfer may
-            # still be under way).
-            recent = {g for g, at in self._rebalanced_ms.items() if now - at < REBALANCE_COOLDOWN_MS}
-            for move in rebalance(list(sm.groups.values()), self.soft, now, lease,
-                                  frozenset(recent | set(sm.operators))):
-                self._rebalanced_ms[move.group] = now
-                self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target)
+        if not actions and not self._busy_groups and self._balance_idle(now):
+            # Balance only a quiet cluster: no failover, operator or leader
+            # call in flight, and no earlier move still under way.
+            held = {g for g, b in self._balance.items() if now < b.retry_at}
+            for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators))):
+                b = self._balance.setdefault(move.group, _BalanceMove())
+                b.started(now, sm.groups[move.group].term)
+                self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target,
+                              attempt=b.attempts)
                 actions.append(move)
         for action in actions:
             await self._execute(action)
+
+    def _balance_idle(self, now: int) -> bool:
+        """No balancing move under way: each ended (its group moved on) or timed out."""
+        for gid, b in self._balance.items():
+            if b.term is None:
+                continue
+            g = self.raft.sm.groups.get(gid)
+            if g is not None and g.term > b.term and g.ready:
+                b.term = None
+                if g.leader == g.preferred_leader:
+                    b.attempts = 0  # it worked: no backoff next time
+            elif now - b.at >= TRANSFER_TIMEOUT_S * 1000:
+                b.term = None  # given up on; the backoff in retry_at holds the group
+            else:
+                return False
+        return True
 
     async def _execute(self, action: Any) -> None:
         if isinstance(action, SetLeader):

@@ -193,6 +193,7 @@ class RawHttpSender:
             conn = idle.pop()
             if not conn.closed:
                 return conn
+            self._all.discard(conn)  # the server closed it while idle
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(loop.create_connection(_Conn, host, port),
                                          max(0.001, deadline - loop.time()))

@@ -105,8 +105,10 @@ class _Peer:
         # Drop what is queued (the core retransmits) and back off so a dead
         # peer costs nothing; redial when there is something new to send.
         self.queue.clear()
-        self.wake.clear()
         await asyncio.sleep(min(0.05 * self.failures, 0.5))
+        if not self.queue:
+            # Set by the old stream's reader ending, not by a send: no redial yet.
+            self.wake.clear()
 
     async def close(self) -> None:
         self.task.cancel()

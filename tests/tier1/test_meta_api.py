@@ -127,3 +127,104 @@ async def test_unknown_route_and_health_and_metrics(api: TestClient) -> None:
     assert health["is_leader"] is True and health["leader"] == "m1"
     metrics = await (await api.get("/metrics")).text()
     assert "shardgrid_meta_is_leader 1.0" in metrics and "shardgrid_http_requests_total" in metrics
+
+
+# -- transfer and the preferred leader ---------------------------------------------------------
+
+
+@pytest.fixture
+async def meta_and_worker(tmp_path: Path, aiohttp_client: Any, aiohttp_server: Any) -> AsyncIterator[Any]:
+    """A single-node meta with the example topology applied, group 0 ready under w1, and
+    a fake w1 whose transfer endpoint does what the real one's hand-over ends in: meta
+    names the target leader (set_leader) and the target reports ready."""
+    from aiohttp import web
+
+    (raft_port,) = free_ports(1)
+    raft = MetaRaft(RaftPeer("m1", f"127.0.0.1:{raft_port}", "127.0.0.1:0"), [], tmp_path / "m1", "pw",
+                    asyncio.get_running_loop())
+    server = MetaServer(raft, MetaServerConfig(), structlog.get_logger())
+    calls: list[dict[str, Any]] = []
+    behaviour = {"answer": 202, "lead": None}
+
+    async def transfer(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append(body)
+        if behaviour["answer"] >= 300:
+            return web.json_response({"error": {"code": "busy"}}, status=behaviour["answer"])
+        g = raft.sm.groups[0]
+        lead = behaviour["lead"] or body["to"]
+        await raft.submit({"op": "set_leader", "group": 0, "leader": lead, "expect_term": g.term}, 5.0)
+        await raft.submit({"op": "set_ready", "group": 0, "term": g.term, "leader": lead}, 5.0)
+        return web.json_response({"accepted": True}, status=202)
+
+    app = web.Application()
+    app.router.add_post("/v1/groups/{gid}/transfer", transfer)
+    worker = await aiohttp_server(app)
+    try:
+        client = await aiohttp_client(server.app())
+        for _ in range(200):
+            if raft.is_leader():
+                break
+            await asyncio.sleep(0.05)
+        assert (await put(client, EXAMPLE)).status == 200
+        assert (await raft.submit({"op": "register_worker", "id": "w1", "addr": f"127.0.0.1:{worker.port}"}, 5.0))["ok"]
+        assert (await raft.submit({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"}, 5.0))["ok"]
+        for _ in range(200):  # the controller pass makes the soft state once this node leads
+            if server.soft is not None:
+                break
+            await asyncio.sleep(0.05)
+        for wid in ("w1", "w2", "w3"):
+            hb = await client.post(f"/v1/workers/{wid}/heartbeat", json={"groups": {"0": {
+                "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10,
+                "role": "leader" if wid == "w1" else "follower"}}})
+            assert hb.status == 200
+        yield client, server, raft, calls, behaviour
+    finally:
+        raft.close()
+
+
+async def test_a_transfer_records_its_target_as_preferred_leader_only_once_it_succeeded(meta_and_worker: Any) -> None:
+    client, server, raft, calls, behaviour = meta_and_worker
+    assert raft.sm.groups[0].preferred_leader == "w1"
+    behaviour["answer"] = 409  # the leader refuses: nothing recorded
+    refused = await client.post("/v1/groups/0/transfer", json={"to": "w2"})
+    assert refused.status == 503 and raft.sm.groups[0].preferred_leader == "w1"
+    behaviour["answer"] = 202
+    ok = await client.post("/v1/groups/0/transfer", json={"to": "w2"})
+    body = await ok.json()
+    assert ok.status == 200 and body["changed"] and body["new_leader"] == "w2"
+    g = raft.sm.groups[0]
+    assert (g.leader, g.preferred_leader) == ("w2", "w2")  # the operator's choice sticks
+    assert calls[-1] == {"to": "w2"} and 0 not in server._busy_groups
+
+
+async def test_pinning_the_current_leader_and_a_hand_over_that_went_elsewhere(meta_and_worker: Any) -> None:
+    client, server, raft, calls, behaviour = meta_and_worker
+    await raft.submit({"op": "set_preferred_leader", "group": 0, "leader": "w3"}, 5.0)
+    pin = await client.post("/v1/groups/0/transfer", json={"to": "w1"})
+    assert pin.status == 200 and (await pin.json())["changed"] is False
+    assert raft.sm.groups[0].preferred_leader == "w1" and not calls  # pinned without a hand-over
+    behaviour["lead"] = "w3"  # something else won the term: not what the operator asked for
+    other = await client.post("/v1/groups/0/transfer", json={"to": "w2"})
+    err = (await other.json())["error"]
+    assert other.status == 409 and err["code"] == "conflict" and "w3" in err["message"]
+    assert raft.sm.groups[0].preferred_leader == "w1"
+
+
+async def test_a_group_with_a_leader_call_in_flight_refuses_a_second_transfer(meta_and_worker: Any) -> None:
+    client, server, raft, calls, behaviour = meta_and_worker
+    server._busy_groups.add(0)
+    busy = await client.post("/v1/groups/0/transfer", json={"to": "w2"})
+    assert busy.status == 409 and (await busy.json())["error"]["code"] == "conflict" and not calls
+
+
+def test_leader_balance_backs_off_a_move_that_does_not_stick() -> None:
+    from meta.server import REBALANCE_BACKOFF_MAX_MS, REBALANCE_COOLDOWN_MS, _BalanceMove
+
+    b = _BalanceMove()
+    waits = []
+    for i in range(8):
+        b.started(i * 1000, term=5)
+        waits.append(b.retry_at - i * 1000)
+    assert waits[:3] == [REBALANCE_COOLDOWN_MS, 2 * REBALANCE_COOLDOWN_MS, 4 * REBALANCE_COOLDOWN_MS]
+    assert waits[-1] == REBALANCE_BACKOFF_MAX_MS and b.term == 5 and b.attempts == 8

@@ -157,6 +157,9 @@ def test_no_move_for_a_lagging_busy_unready_or_non_voter_preferred_leader() -> N
     removed = _moved()
     removed[0].voters = ["w2", "w3"]
     assert rebalance(removed, _balanced_soft(now, up), now, LEASE) == []
+    silent = _balanced_soft(now, up)
+    silent.workers["w2"].last_seen_ms = now - LEASE  # the leader itself went quiet: failover's business
+    assert rebalance(_moved(), silent, now, LEASE) == []
     # a new meta leader waits before balancing anything
     fresh = _balanced_soft(now, up)
     fresh.leader_since_ms = now - 1000
