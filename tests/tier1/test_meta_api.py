@@ -17,19 +17,27 @@ EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").r
 TOKEN = "s3cret-admin"
 
 
-@pytest.fixture
-async def api(tmp_path: Path, aiohttp_client: Any) -> AsyncIterator[TestClient]:
+async def _until(cond: Any, what: str) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what} within 10 s")
+
+
+def _single_meta(tmp_path: Path, config: MetaServerConfig) -> tuple[MetaRaft, MetaServer]:
     (raft_port,) = free_ports(1)
     me = RaftPeer("m1", f"127.0.0.1:{raft_port}", "127.0.0.1:0")
     raft = MetaRaft(me, [], tmp_path / "m1", "pw", asyncio.get_running_loop())
-    server = MetaServer(raft, MetaServerConfig(admin_token=TOKEN), structlog.get_logger())
+    return raft, MetaServer(raft, config, structlog.get_logger())
+
+
+@pytest.fixture
+async def api(tmp_path: Path, aiohttp_client: Any) -> AsyncIterator[TestClient]:
+    raft, server = _single_meta(tmp_path, MetaServerConfig(admin_token=TOKEN))
     try:
         client = await aiohttp_client(server.app())
-        for _ in range(200):
-            if raft.is_leader():
-                break
-            await asyncio.sleep(0.05)
-        assert raft.is_leader()
+        await _until(raft.is_leader, "the single meta node to lead")
         yield client
     finally:
         raft.close()
@@ -139,10 +147,7 @@ async def meta_and_worker(tmp_path: Path, aiohttp_client: Any, aiohttp_server: A
     names the target leader (set_leader) and the target reports ready."""
     from aiohttp import web
 
-    (raft_port,) = free_ports(1)
-    raft = MetaRaft(RaftPeer("m1", f"127.0.0.1:{raft_port}", "127.0.0.1:0"), [], tmp_path / "m1", "pw",
-                    asyncio.get_running_loop())
-    server = MetaServer(raft, MetaServerConfig(), structlog.get_logger())
+    raft, server = _single_meta(tmp_path, MetaServerConfig())
     calls: list[dict[str, Any]] = []
     behaviour = {"answer": 202, "lead": None}
 
@@ -162,17 +167,11 @@ async def meta_and_worker(tmp_path: Path, aiohttp_client: Any, aiohttp_server: A
     worker = await aiohttp_server(app)
     try:
         client = await aiohttp_client(server.app())
-        for _ in range(200):
-            if raft.is_leader():
-                break
-            await asyncio.sleep(0.05)
+        await _until(raft.is_leader, "the single meta node to lead")
         assert (await put(client, EXAMPLE)).status == 200
         assert (await raft.submit({"op": "register_worker", "id": "w1", "addr": f"127.0.0.1:{worker.port}"}, 5.0))["ok"]
         assert (await raft.submit({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"}, 5.0))["ok"]
-        for _ in range(200):  # the controller pass makes the soft state once this node leads
-            if server.soft is not None:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: server.soft is not None, "the controller to start")
         for wid in ("w1", "w2", "w3"):
             hb = await client.post(f"/v1/workers/{wid}/heartbeat", json={"groups": {"0": {
                 "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10,
