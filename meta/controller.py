@@ -74,7 +74,8 @@ class GroupReport:
 class WorkerLiveness:
     last_seen_ms: int
     groups: dict[int, GroupReport] = field(default_factory=dict)
-    up_since_ms: int = 0  # start of the current run of heartbeats without a lease-long gap
+    up_since_ms: int = 0  # start of the current run of heartbeats: no lease-long gap, the same boot
+    boot: str | None = None  # the worker process's boot id, when it sends one
 
 
 @dataclass
@@ -91,12 +92,13 @@ class SoftState:
         self.first_known_ms.setdefault(worker, now_ms)
 
     def heard_from(self, worker: str, now_ms: int, groups: Mapping[int, GroupReport],
-                   lease_ms: int | None = None) -> None:
+                   lease_ms: int | None = None, boot: str | None = None) -> None:
         prev = self.workers.get(worker)
         up_since = now_ms
-        if prev is not None and (lease_ms is None or now_ms - prev.last_seen_ms < lease_ms):
+        if prev is not None and (lease_ms is None or now_ms - prev.last_seen_ms < lease_ms) \
+                and (boot is None or prev.boot is None or boot == prev.boot):
             up_since = prev.up_since_ms
-        self.workers[worker] = WorkerLiveness(now_ms, dict(groups), up_since)
+        self.workers[worker] = WorkerLiveness(now_ms, dict(groups), up_since, boot)
 
 
 @dataclass(frozen=True)

@@ -475,7 +475,10 @@ class MetaServer:
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None
-        self.soft.heard_from(wid, _now_ms(), reports, self._lease_ms())
+        boot = body.get("boot")
+        if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
+            raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")
+        self.soft.heard_from(wid, _now_ms(), reports, self._lease_ms(), boot)
         self.heartbeat_raw[wid] = body
         return json_response({"ok": True, "revision": self.raft.sm.revision})
 

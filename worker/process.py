@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class WorkerNode:
     def __init__(self, cfg: WorkerConfig, log: Any) -> None:
         self.cfg = cfg
         self.id = cfg.id
+        # Names this run of the process in heartbeats: meta tells a restart
+        # from a steady worker even when the restart was quicker than a lease.
+        self.boot = uuid.uuid4().hex
         self.log = log
         self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr)
         self.metrics = HttpMetrics("worker")
@@ -207,7 +211,8 @@ class WorkerNode:
                 lease = int(self.view["topology"]["settings"]["lease_ms"])
             if self.registered:
                 try:
-                    await self.meta.heartbeat(self.id, {"groups": self.group_reports()}, deadline_s=lease / 2000)
+                    await self.meta.heartbeat(self.id, {"groups": self.group_reports(), "boot": self.boot},
+                                              deadline_s=lease / 2000)
                 except (MetaError, MetaUnreachable) as exc:
                     self.log.debug("heartbeat_failed", error=str(exc))
             await asyncio.sleep(max(0.05, lease / 5000))

@@ -122,7 +122,10 @@ async def test_register_and_heartbeat_validation(api: TestClient) -> None:
     assert view["workers"]["w7"]["state"] == "available"
     hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"last_term": "x"}}})
     assert hb.status == 400
-    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, "last_term": 1, "last_seq": 4}}})
+    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {}, "boot": 7})
+    assert hb.status == 400 and "boot" in (await hb.json())["error"]["message"]
+    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, "last_term": 1, "last_seq": 4}},
+                                                          "boot": "b1"})
     assert hb.status == 200
     view = await (await api.get("/v1/cluster")).json()
     assert view["workers"]["w7"]["live"] is True

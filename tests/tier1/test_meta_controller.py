@@ -146,6 +146,17 @@ def test_a_gap_in_heartbeats_restarts_the_wait() -> None:
     assert rebalance(_moved(), soft, now + LEASE + 2, LEASE) == []
 
 
+def test_a_restart_restarts_the_wait_even_within_a_lease() -> None:
+    soft = SoftState(leader_since_ms=0)
+    soft.heard_from("w1", 0, {}, LEASE, boot="a")
+    soft.heard_from("w1", 500, {}, LEASE, boot="a")
+    assert soft.workers["w1"].up_since_ms == 0
+    soft.heard_from("w1", 1000, {}, LEASE, boot="b")  # a new process, back within the lease
+    assert soft.workers["w1"].up_since_ms == 1000
+    soft.heard_from("w1", 1500, {}, LEASE)  # no boot id (an older worker): judged by gaps alone
+    assert soft.workers["w1"].up_since_ms == 1000
+
+
 def test_no_move_for_a_lagging_busy_unready_or_non_voter_preferred_leader() -> None:
     now = 60_000
     up = now - 2 * REBALANCE_AFTER_MS
