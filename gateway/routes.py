@@ -330,7 +330,7 @@ def shard_summary(view: dict[str, Any]) -> list[dict[str, Any]]:
                                  "term": rep.get("term"), "last_seq": rep.get("last_seq"),
                                  "commit": rep.get("commit"), "applied": applied, "lag": lag})
         out.append({"id": gid, "term": g.get("term"), "leader": leader, "ready": g.get("ready"),
-                    "voters": g.get("voters"), "learners": g.get("learners"), "conf_ver": g.get("conf_ver"),
+                    "preferred_leader": g.get("preferred_leader"), "voters": g.get("voters"), "learners": g.get("learners"), "conf_ver": g.get("conf_ver"),
                     "replicas": replicas})
     return out
 

@@ -112,10 +112,14 @@ def render_status(st: dict[str, Any]) -> str:
         state = n["role"] if n["up"] else "DOWN"
         lines.append(f"{n['id']:<8} {n['http']:<22} {state:<10} {n.get('revision', '-'):>8}")
     lines.append("")
-    lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'VOTERS':<24} LEARNERS")
+    lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'PREFERRED':<10} {'VOTERS':<24} LEARNERS")
     for gid, g in sorted(st["groups"].items(), key=lambda kv: int(kv[0])):
+        # A '*' marks a group away from its preferred leader (leader balance moves it back).
+        pref = g.get("preferred_leader") or "-"
+        if g.get("preferred_leader") and g["preferred_leader"] != g["leader"]:
+            pref += "*"
         lines.append(f"{gid:<6} {g['term']:>5} {g['leader'] or '-':<10} {'yes' if g['ready'] else 'no':<6} "
-                     f"{','.join(g['voters']):<24} {','.join(g['learners']) or '-'}")
+                     f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-'}")
     lines.append("")
     lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} LIVE")
     for wid, w in sorted(st["workers"].items()):

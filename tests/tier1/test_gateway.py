@@ -388,7 +388,7 @@ async def test_operator_verbs_are_proxied_to_meta(aiohttp_server: Any, aiohttp_c
     assert status["liveness_known"] is True and status["gateway"] == {"routing_revision": 1}
     shards = (await (await client.get("/cluster/shards", headers=auth)).json())["shards"]
     g1 = shards[1]
-    assert (g1["id"], g1["leader"], g1["term"], g1["ready"]) == (1, "w2", 1, True)
+    assert (g1["id"], g1["leader"], g1["term"], g1["ready"], g1["preferred_leader"]) == (1, "w2", 1, True, "w2")
     assert [(r["worker"], r["role"], r["live"], r["lag"]) for r in g1["replicas"]] == \
         [("w1", "voter", True, 5), ("w2", "voter", False, 0)]
     assert [r["lag"] for r in shards[0]["replicas"]] == [0, None]
