@@ -21,8 +21,10 @@ Two ways to generate load:
   measured from the INTENDED send time, so time spent waiting for a
   connection, for the event loop or for the server to catch up shows in the
   percentiles. When `--max-inflight` requests are outstanding, due requests
-  wait (their latency keeps growing); requests still unsent when the run
-  ends are reported as `unsent`. The dispatch delay (actual send - intended)
+  wait (their latency keeps growing); requests still held back by that cap
+  when the run ends are reported as `unsent`. Requests that fell due before
+  the end are sent even when the generator is late (a stall of its loop),
+  and their latency shows the lateness. The dispatch delay (actual send - intended)
   is recorded separately as `schedule_lag`: a large lag with few requests in
   flight means the generator itself is short of CPU (add --procs).
 
@@ -613,13 +615,13 @@ class Engine:
             if due >= self.end_ns:
                 break
             now = clock()
-            if now >= self.end_ns:
-                break
             if due > now:
                 burst = 0
                 await asyncio.sleep(min(due - now, 100_000_000) / NS)
                 continue
             if self.inflight >= cfg.max_inflight:
+                if now >= self.end_ns:
+                    break  # the run is over: what the cap held back stays unsent
                 slot.clear()
                 try:
                     await asyncio.wait_for(slot.wait(), 0.1)

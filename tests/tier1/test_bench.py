@@ -138,18 +138,35 @@ async def test_open_loop_measures_queueing_that_closed_loop_hides() -> None:
     # Closed loop, one worker: it sends only when the server is free, so every request
     # takes one service time; the waiting that a real client would do is not measured.
     _, closed = await _engine_run(LoadConfig(concurrency=1, duration_s=0.5), _slow_server(service))
-    assert closed["count"] >= 10
-    assert closed["p50"] < 40, closed
+    assert closed["count"] >= 10 and closed["p50"] < 40, closed
     # Open loop at twice the capacity: requests are due every 5 ms whatever happens, the
     # backlog grows all run long, and latency from the intended send time shows it.
     summary, open_ = await _engine_run(LoadConfig(rate=200, duration_s=0.5), _slow_server(service))
-    assert summary["scheduled"] == 100 and summary["unsent"] == 0 and summary["sent"] == 100
-    assert open_["count"] == 100
+    assert summary["scheduled"] == 100 and summary["unsent"] == 0 and summary["sent"] == 100, summary
+    assert open_["count"] == 100, open_
     assert open_["p50"] > 100 and open_["p99"] > 300 and open_["max"] > 350, open_
     assert open_["p50"] > closed["p99"]
     # The same server below capacity: no queue, latency ~ service time.
     _, easy = await _engine_run(LoadConfig(rate=40, duration_s=0.5), _slow_server(service))
     assert easy["count"] == 20 and easy["p50"] < 60, easy
+
+
+async def test_open_loop_still_sends_what_fell_due_before_the_end_after_a_stall() -> None:
+    # A stall of the generator's loop (a GC pause, a busy machine) that runs past the
+    # end must not turn requests that fell due before the end into "unsent": they are
+    # sent late, and their latency from the intended time shows the stall.
+    calls = 0
+
+    async def stalls_once(kind: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 50:  # due at 0.245 s; the loop is blocked until ~0.45 s, past the end
+            time.sleep(0.2)
+        return OK1
+
+    summary, lat = await _engine_run(LoadConfig(rate=200, duration_s=0.3), stalls_once)
+    assert summary["scheduled"] == 60 and summary["unsent"] == 0 and summary["sent"] == 60, summary
+    assert lat["count"] == 60 and lat["max"] > 150, lat  # the late ones waited through the stall
 
 
 async def test_open_loop_counts_what_max_inflight_kept_unsent() -> None:
