@@ -161,7 +161,7 @@ async def test_open_loop_still_sends_what_fell_due_before_the_end_after_a_stall(
         nonlocal calls
         calls += 1
         if calls == 50:  # due at 0.245 s; the loop is blocked until ~0.45 s, past the end
-            time.sleep(0.2)
+            time.sleep(0.2)  # deliberately blocking: this is the stall under test, not a wait
         return OK1
 
     summary, lat = await _engine_run(LoadConfig(rate=200, duration_s=0.3), stalls_once)
