@@ -87,7 +87,16 @@ def test_writes_need_a_quorum(cluster: Cluster) -> None:
 def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
     c = cluster
     gid = 0
-    victim = c.view()["groups"][str(gid)]["leader"]
+    # The victim is the group's preferred leader (the topology's placement), so
+    # that the end of the test can see the leadership come back to it. A worker
+    # slow to start can leave the first leadership elsewhere; leader balance
+    # moves it to the preferred leader once that has been up REBALANCE_AFTER_MS.
+    victim = c.view()["groups"][str(gid)]["preferred_leader"]
+
+    def led_by_victim() -> bool:
+        g = c.view()["groups"][str(gid)]
+        return g["leader"] == victim and g["ready_term"] == g["term"]
+    wait_until(led_by_victim, REBALANCE_AFTER_MS / 1000 + 20.0, f"group {gid} to be led by its preferred leader {victim}")
     w = Writer(c, gid)
     w.refresh_leader()
     failover_s: list[float] = []
@@ -132,14 +141,9 @@ def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
     missing = [k for k, (st, doc) in got.items() if st != 200 or doc != {"v": k}]
     assert not missing, f"restarted {victim} lacks {len(missing)} acknowledged writes"
 
-    # The victim was the group's preferred leader (the topology's placement):
-    # once it has been up for REBALANCE_AFTER_MS and caught up, meta's
+    # Once the victim has been up for REBALANCE_AFTER_MS and caught up, meta's
     # controller moves the leadership back to it with a graceful transfer.
     assert v["groups"][str(gid)]["preferred_leader"] == victim
-
-    def led_by_victim() -> bool:
-        g = c.view()["groups"][str(gid)]
-        return g["leader"] == victim and g["ready_term"] == g["term"]
     wait_until(led_by_victim, REBALANCE_AFTER_MS / 1000 + 20.0, f"the leadership of group {gid} to return to {victim}")
     got = asyncio.run(read_all(c.worker_addr(victim), "strong"))
     missing = [k for k, (st, doc) in got.items() if st != 200 or doc != {"v": k}]
