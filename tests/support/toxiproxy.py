@@ -293,10 +293,17 @@ class _Connection:
             for toxic in self.proxy.all_toxics():
                 if toxic.uid not in self.rolls:
                     self.attach(toxic)
-            await asyncio.gather(
+            # asyncio.wait, not gather: a link that fails calls aclose(), which
+            # cancels and awaits this task; had this task gathered the links,
+            # that cancel would recurse through the two gathers forever.
+            links = [
                 self.spawn(self._link("upstream", self.client_reader, writer)),
                 self.spawn(self._link("downstream", reader, self.client_writer)),
-            )
+            ]
+            await asyncio.wait(links)
+            for link in links:
+                if not link.cancelled():
+                    link.result()  # a link's bug surfaces here, not as "never retrieved"
         finally:
             await self.aclose()
 
@@ -789,6 +796,13 @@ def start_in_thread(host: str = LOCALHOST, port: int = 0, *,
         try:
             loop.run_forever()
         finally:
+            # A connection closing itself (a timeout or reset_peer toxic) has
+            # left its proxy's set, so stop() did not wait for it: finish it
+            # here, or its coroutine is closed mid-await when collected.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 

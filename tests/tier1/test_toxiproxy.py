@@ -430,3 +430,40 @@ async def test_async_server_on_running_loop(echo: str) -> None:
         await server.stop()
     assert await asyncio.wait_for(reader.read(), 3) == b""
     writer.close()
+
+
+
+async def test_a_link_that_closes_its_connection_ends_every_task_of_it(echo: str) -> None:
+    # With a timeout toxic, a client's EOF makes the upstream link close the
+    # whole connection from inside one of the connection's own tasks. (When
+    # the connection's run task gathered its links, that close recursed
+    # through two gathers: an error in the loop, and under load a deadlock.)
+    loop_errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+    server = ToxiproxyServer(seed=7)
+    url = await server.start()
+
+    def connection_tasks() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks()
+                if getattr(t.get_coro(), "__qualname__", "").startswith("_Connection.")]
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/proxies", json={"name": "e", "upstream": echo}) as resp:
+                assert resp.status == 201
+                host, port = (await resp.json())["listen"].rsplit(":", 1)
+            async with session.post(f"{url}/proxies/e/toxics", json={
+                    "type": "timeout", "stream": "upstream", "attributes": {"timeout": 0}}) as resp:
+                assert resp.status == 200, await resp.text()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        deadline = time.monotonic() + 5
+        while connection_tasks() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not connection_tasks(), f"connection tasks still running: {connection_tasks()}"
+        assert not server.proxies["e"].connections
+        assert not loop_errors, [ctx.get("exception") or ctx["message"] for ctx in loop_errors]
+        writer.close()
+    finally:
+        await server.stop()
