@@ -308,7 +308,8 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             # of CPU) would then join, and catch up, during the measurement.
             say("waiting for every worker to be up ...")
             asyncio.run(wait_workers_registered([w.http for w in cluster.topo.workers], WORKERS_UP_TIMEOUT_S))
-            asyncio.run(wait_groups_ready(cluster.meta_addrs, WORKERS_UP_TIMEOUT_S))
+            say("waiting for every group to be led by its preferred leader ...")
+            asyncio.run(wait_groups_ready(cluster.meta_addrs, WORKERS_UP_TIMEOUT_S, balanced=True))
             say("cluster ready")
             env = ClusterEnv(urls=[f"http://{g}" for g in gws], pids={c.pid: c.name for c in cluster.children},
                              info={"mode": "local", "target": "shardgrid", "workers": opts.workers,

@@ -91,19 +91,33 @@ async def apply_topology(addrs: list[str], text: str) -> dict[str, Any]:
         return await client.put_topology(text, expect_revision=preview["topology_revision"])
 
 
-async def wait_groups_ready(addrs: list[str], deadline_s: float) -> dict[str, Any]:
-    """Until every group has a leader that finished its start-of-term protocol."""
+async def wait_groups_ready(addrs: list[str], deadline_s: float, balanced: bool = False) -> dict[str, Any]:
+    """Until every group has a leader that finished its start-of-term protocol.
+
+    With `balanced`, also until that leader is the group's preferred one: a
+    worker slow to start (importing torch) loses its first leadership to a
+    failover, and meta's leader balance hands it back some seconds later.
+    A measurement must not start before that move, or it measures the move.
+    """
     deadline = time.monotonic() + deadline_s
     async with MetaClient(addrs) as client:
         while True:
             view = await client.cluster()
             groups = view["groups"]
-            if groups and all(g["ready"] for g in groups.values()):
+            waiting = sorted(k for k, g in groups.items() if not _settled(g, balanced))
+            if groups and not waiting:
                 return view
             if time.monotonic() > deadline:
-                waiting = sorted(k for k, g in groups.items() if not g["ready"])
-                raise TimeoutError(f"groups {', '.join(waiting)} have no ready leader after {deadline_s:.0f} s")
+                what = "no ready preferred leader" if balanced else "no ready leader"
+                raise TimeoutError(f"groups {', '.join(waiting)} have {what} after {deadline_s:.0f} s")
             await asyncio.sleep(0.1)
+
+
+def _settled(group: dict[str, Any], balanced: bool) -> bool:
+    if not group["ready"]:
+        return False
+    preferred = group.get("preferred_leader")
+    return not balanced or preferred is None or group["leader"] == preferred
 
 
 async def wait_http_ok(urls: list[str], deadline_s: float) -> None:
