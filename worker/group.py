@@ -5,6 +5,9 @@ its snapshot directory. One task runs the group loop: it takes every event
 queued since the last pass (client writes and reads, peer messages, meta
 views, timer ticks), feeds them to the core, then performs the effects:
 
+0. the effects before the pass's first `Persist` (the leader's Appends of
+   fresh entries), then one yield to the loop so that the peer streams
+   write them: the followers fsync while the leader does;
 1. every `Persist` of the pass, in order, followed by ONE fsync (group
    commit) — on the loop itself, since it is short (a pass that installs
    a snapshot archive goes to a thread); the requests that arrive
@@ -367,22 +370,37 @@ class GroupShell:
             self._fail_batched("group failed on this worker")
 
     async def _perform(self, effects: list[m.Effect]) -> None:
-        persists = [e for e in effects if isinstance(e, m.Persist)]
-        if persists:
-            if any(p.snapshot is not None for p in persists):
-                # Writing a snapshot archive can take long: off the loop.
-                await asyncio.to_thread(self._persist_all, persists)
-            else:
-                # Appends and one fsync (~0.2 ms) inline: a hop to a thread
-                # costs more CPU than that (futex hand-offs, GIL contention
-                # with the loop) and adds up to a GIL switch interval (5 ms)
-                # of latency to every pass.
-                self._persist_all(persists)
+        first = next((i for i, e in enumerate(effects) if type(e) is m.Persist), None)
+        if first is None:
+            self._perform_in_order(effects)
+            return
+        if first:
+            # What comes before the first Persist does not wait for it: the
+            # leader's Appends of fresh entries.  Let the peer streams write
+            # them now, so that the followers fsync while we do.
+            early = effects[:first]
+            self._perform_in_order(early)
+            if any(type(e) is m.Send for e in early):
+                await asyncio.sleep(0)
+        persists = [e for e in effects[first:] if isinstance(e, m.Persist)]
+        if any(p.snapshot is not None for p in persists):
+            # Writing a snapshot archive can take long: off the loop.
+            await asyncio.to_thread(self._persist_all, persists)
+        else:
+            # Appends and one fsync (~0.2 ms) inline: a hop to a thread
+            # costs more CPU than that (futex hand-offs, GIL contention
+            # with the loop) and adds up to a GIL switch interval (5 ms)
+            # of latency to every pass.
+            self._persist_all(persists)
         if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
             # What the core re-synced on is durable now (persisted above).
             self._resync_marker.unlink(missing_ok=True)
             self._resync_marker = None
             self.log.info("resync_complete", last_seq=self.replica.last_seq)
+        self._perform_in_order(effects[first:])
+
+    def _perform_in_order(self, effects: list[m.Effect]) -> None:
+        """Every effect but Persists (the caller made those durable first)."""
         for eff in effects:
             if isinstance(eff, m.Persist):
                 continue

@@ -22,7 +22,8 @@ What is modelled
   TransferReady and records config entries as they are applied;
 * a nemesis aimed at leaders: cut off right after appending its term start
   (a failover that dies at birth) or a client write, right after committing
-  something, or soon after being named;
+  something, or soon after being named; killed after its Appends of fresh
+  entries left but before its own Persist of them;
 * clients: writes with unique values and rids (ack quorum / all / leader),
   retried with the same rid elsewhere after not_leader / quorum_timeout /
   silence; strong and follower reads; transfers; membership changes;
@@ -67,6 +68,7 @@ from typing import Any
 
 from worker.replica import Replica
 from worker.replica_msgs import (
+    Append,
     Apply,
     ChangeMembership,
     ClientRead,
@@ -96,6 +98,20 @@ from worker.replica_msgs import (
 )
 
 GROUP = 0
+
+
+def early_append_end(out: list[Any]) -> int | None:
+    """The index of the first Persist when an Append is sent before it and
+    it holds entries (a leader replicating fresh entries before its own
+    fsync), else None."""
+    sent = False
+    for i, eff in enumerate(out):
+        t = type(eff)
+        if t is Persist:
+            return i if sent and eff.entries else None
+        if t is Send and type(eff.msg) is Append:
+            sent = True
+    return None
 
 
 class SimViolation(AssertionError):
@@ -383,14 +399,22 @@ class Sim:
         crash_at = None
         if not self.converging and out and self.rng.random() < self.p.mid_crash:
             crash_at = self.rng.randint(0, len(out))
+        elif (early := early_append_end(out)) is not None and self.nemesis_roll(0.3):
+            # A leader dies after its Appends left but before its own copy
+            # of their entries is durable: the followers may hold what it
+            # lost (half of these crashes are power losses).
+            crash_at = early
         self.perform(node, r, out, crash_at)
         if node.replica is r:
             self.check_replica(node, r)
 
     def perform(self, node: Node, r: Replica, out: list[Any], crash_at: int | None) -> None:
+        early = early_append_end(out) if crash_at is not None else None
         for i, eff in enumerate(out):
             if i == crash_at:
                 self.stats["crash_mid_list"] += 1
+                if early is not None and i <= early:
+                    self.stats["crash_after_early_append"] += 1
                 self.crash(node)
                 return
             t = type(eff)

@@ -54,6 +54,7 @@ def test_runs_exercise_the_protocol() -> None:
         "crash_power",
         "crash_kill",
         "crash_mid_list",
+        "crash_after_early_append",
         "crash_disk_lost",
         "write_quorum_timeout",
         "write_batches",
