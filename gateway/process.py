@@ -15,7 +15,7 @@ import uvloop
 from aiohttp import web
 
 from gateway.routes import Gateway, GatewayConfig
-from shardgrid.gctune import tune_gc
+from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
 
 __all__ = ["GatewayConfig", "main", "serve"]
@@ -41,11 +41,12 @@ async def serve(cfg: GatewayConfig) -> None:
     await runner.setup()
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096).start()
-    tune_gc()
+    gc_policy = start_gc_policy(log)
     log.info("gateway_started", listen=cfg.listen, meta=list(cfg.meta), access_log=cfg.access_log,
              admin_token=cfg.admin_token is not None)
     await stop.wait()
     log.info("gateway_stopping")
+    gc_policy.cancel()
     await runner.cleanup()  # shutdown (drain) then on_cleanup (watch, pool)
     log.info("gateway_stopped")
 

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig
-from shardgrid.gctune import tune_gc
+from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
 
 
@@ -53,11 +53,12 @@ async def serve(cfg: MetaProcessConfig) -> None:
     await runner.setup()
     host, port = _split_hostport(cfg.me.http)
     await web.TCPSite(runner, host, port, reuse_address=True).start()
-    tune_gc()
+    gc_policy = start_gc_policy(log)
     log.info("meta_started", raft=cfg.me.raft, http=cfg.me.http, peers=[p.id for p in cfg.peers],
              data=str(cfg.data_dir))
     await stop.wait()
     log.info("meta_stopping")
+    gc_policy.cancel()
     await runner.cleanup()
     raft.close()
     log.info("meta_stopped")

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.gctune import tune_gc
+from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
 from worker import replica_msgs as m
@@ -268,10 +268,11 @@ async def serve(cfg: WorkerConfig) -> None:
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     node.start_background()
-    tune_gc()
+    gc_policy = start_gc_policy(log)
     log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data))
     await stop.wait()
     log.info("worker_stopping")
+    gc_policy.cancel()
     await runner.shutdown()
     await node.close()
     await runner.cleanup()

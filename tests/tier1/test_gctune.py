@@ -1,0 +1,73 @@
+"""The servers' collector policy: young collections only, and a periodic,
+logged full collection that still finds cyclic garbage the young ones
+promoted. The collector is process-wide state, so each test restores it."""
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shardgrid.gctune import NEVER, YOUNG, collect_fully_every, tune_gc
+
+
+@pytest.fixture
+def restore_gc() -> Iterator[None]:
+    saved = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self.events.append((event, kw))
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def test_no_automatic_full_collection_after_tuning(restore_gc: None) -> None:
+    _, older, _ = gc.get_threshold()
+    tune_gc()
+    assert gc.get_threshold() == (YOUNG, older, NEVER)
+    assert gc.get_freeze_count() > 0
+    full_before = gc.get_stats()[2]["collections"]
+    # What makes CPython start a full collection by itself: many middle
+    # collections since the last full one, and survivors promoted since
+    # then beyond a quarter of what it tracked at that full collection.
+    survivors = [[] for _ in range(400_000)]
+    for _ in range(30):
+        gc.collect(1)
+    more = [[] for _ in range(2 * YOUNG)]  # young collections start on their own
+    del survivors, more
+    assert gc.get_stats()[2]["collections"] == full_before
+
+
+async def test_periodic_full_collection_finds_promoted_cycles(restore_gc: None) -> None:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    gc.collect(1)
+    gc.collect(1)  # the cycle, still alive, now sits in the oldest generation
+    del a, b
+    assert gc.collect(1) == 0  # young collections cannot see it
+    log = Log()
+    task = asyncio.create_task(collect_fully_every(0.01, log))
+    try:
+        async with asyncio.timeout(5):
+            while not log.events:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    event, fields = log.events[0]
+    assert event == "gc_full_collection"
+    assert fields["unreachable"] >= 2 and fields["ms"] >= 0
