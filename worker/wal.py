@@ -14,6 +14,11 @@ One `Wal` owns one replica directory and persists the replica's Raft-like state:
   record would push the current one past `segment_bytes` (a record bigger
   than that gets a segment of its own). After a compaction the first segment
   may still hold entries <= snap_seq; they are skipped.
+  The active segment is allocated ahead of its records (`PREALLOC_BYTES` at
+  a time, zeros after the last record): an append then changes neither the
+  file's length nor its extent map, so the batch's sync is an `fdatasync`
+  with no filesystem journal commit. Rolling to the next segment, and
+  `close()`, cut the file back to its records.
 * `LOCK`, flocked while a `Wal` is open: one writer per directory.
 
 The WAL is agnostic of the entry type: `payload` is any msgpack-able object.
@@ -36,9 +41,9 @@ Call order for the I/O shell, per batch of `Persist` effects
 
 fsync modes:
 
-* `batch` (default): `append` writes, `sync()` fsyncs. Safe when the shell
-  calls `sync()` before acknowledging anything.
-* `always`: fsync inside every `append`; `sync()` has nothing left to do.
+* `batch` (default): `append` writes, `sync()` fdatasyncs. Safe when the
+  shell calls `sync()` before acknowledging anything.
+* `always`: fdatasync inside every `append`; `sync()` has nothing left to do.
   Safe, slower: for comparison.
 * `none`: never fsync, anywhere (not even the hard state). UNSAFE: a power
   loss can lose acknowledged entries and even the current term, and can
@@ -48,11 +53,13 @@ Recovery (`Wal.open`) scans every segment in order and verifies each record's
 checksum, the seq contiguity (also against the file names), that terms never
 decrease and never exceed the hard-state term. What it finds:
 
-* a torn tail — it is truncated away (`Wal.recovery.torn_bytes`):
-  the last segment ends inside a record header, or inside the body a record
-  header announces; or the very last record (the one ending exactly at the end
-  of the file) fails its checksum; or everything from the first bad record to
-  the end of the file is zero bytes (a file extended by a lost write). A
+* the end of the log: in the last segment, zeros from a record boundary to
+  the end of the file (the space allocated ahead, or a file extended by a
+  lost write). They stay, as space for the next appends;
+* a torn tail — it is truncated away (`Wal.recovery.torn_bytes`, the bytes
+  of the record cut): the last segment ends inside a record header, or
+  inside the body a record header announces; or the last record written
+  (the one followed only by zeros, or by nothing) fails its checksum. A
   "short" record whose body is nevertheless complete — a msgpack object ends
   inside the file and matches the checksum, or is followed by a valid record —
   had its length field damaged: that is corruption, not a torn write,
@@ -137,6 +144,12 @@ _LOCK = "LOCK"
 # segment at once.
 _READ_CHUNK = 4 * 1024 * 1024
 _MAX_RECORD = 0xFFFFFFFF  # the u32 length field
+# The active segment is allocated ahead of its writes, this much at a time:
+# an append then changes no file size or extent map, so `fdatasync` flushes
+# the data without an ext4 journal commit. Three workers syncing nine logs
+# at once reached about 10,400 syncs/s (p99 0.6 ms) this way against 6,400
+# (p99 2.4 ms) with appends and fsync (scratch measurement on this machine).
+PREALLOC_BYTES = 4 * 1024 * 1024
 
 
 def segment_name(first_seq: int) -> str:
@@ -227,7 +240,8 @@ class _Segment:
     path: Path
     # offsets[i] is the file offset of the record of seq first_seq + i.
     offsets: array = field(default_factory=lambda: array("Q"))
-    size: int = 0  # bytes of whole records; the file is exactly this long
+    size: int = 0  # bytes of whole records; the file holds zeros after them, up to `alloc`
+    alloc: int = 0  # bytes the file is long (preallocated, see PREALLOC_BYTES)
 
     @property
     def last_seq(self) -> int:
@@ -319,6 +333,14 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
 
 
 def _pread_exact(path: Path, size: int, offset: int) -> bytes:
@@ -539,7 +561,11 @@ class Wal:
                         torn = not _length_damaged(data, pos, digest)
                         why = "record body cut short" if torn else "record length damaged"
                     elif xxh3_64_intdigest(view[pos + HEADER_BYTES:end]) != digest:
-                        torn, why = end == n, "checksum mismatch"
+                        # The last record written, maybe followed by space
+                        # allocated for more: a write cut short, unless a
+                        # damaged length made it swallow the records after it.
+                        torn = data.count(0, end) == n - end and not _length_damaged(data, pos, digest)
+                        why = "checksum mismatch"
                     else:
                         head = _peek_term_seq(data, pos + HEADER_BYTES, end)
                         if head is None:
@@ -563,15 +589,20 @@ class Wal:
                         expect += 1
                         pos = end
                         continue
-                # A bad record: torn tail (cut it off) or corruption.
-                if not torn and not data[pos:].strip(b"\0"):
-                    torn, why = True, "zero-filled tail"
+                # A bad record: the end of what was written, a torn tail
+                # (cut it off) or corruption.
+                written = len(data[pos:].rstrip(b"\0")) if is_last else n - pos
+                if written == 0:
+                    break  # zeros: space allocated ahead of the writes (or a lost extension)
                 if not (torn and is_last):
                     raise WalCorrupt(path, pos, why + ("" if is_last else " in a segment that is not the last"))
                 os.truncate(path, pos)
-                torn_bytes, torn_segment = n - pos, path.name
+                # The bytes of the record that was cut (not the space after it).
+                torn_bytes, torn_segment = min(n, end if n - pos >= HEADER_BYTES else n) - pos, path.name
+                n = pos
                 break
             seg.size = pos
+            seg.alloc = n
             if offsets:
                 prev_seq = seg.last_seq
             elif not is_last:
@@ -621,7 +652,7 @@ class Wal:
         self._cache_lo = kept[0][0].seq if kept else last_seq + 1
 
         if segments:
-            self._fd = os.open(segments[-1].path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._fd = os.open(segments[-1].path, os.O_WRONLY | os.O_CLOEXEC)
             if sync:
                 # Records that survived a SIGKILL may be only in the page cache.
                 os.fsync(self._fd)
@@ -755,7 +786,7 @@ class Wal:
         self._write_chunk(seg, parts, batch, pos)
         if self._fsync == "always":
             assert self._fd is not None
-            os.fsync(self._fd)
+            os.fdatasync(self._fd)
             self._dirty = False
 
     def _write_chunk(self, seg: _Segment, parts: list[bytes], batch: list[tuple[Entry, int]],
@@ -764,7 +795,11 @@ class Wal:
             return
         assert self._fd is not None and seg is self._segments[-1]
         try:
-            _write_all(self._fd, b"".join(parts))
+            if end > seg.alloc:
+                target = max(end, min(seg.alloc + PREALLOC_BYTES, self._segment_bytes))
+                os.posix_fallocate(self._fd, seg.alloc, target - seg.alloc)
+                seg.alloc = target
+            _pwrite_all(self._fd, b"".join(parts), seg.size)
         except OSError:
             del seg.offsets[len(seg.offsets) - len(batch):]
             raise
@@ -800,7 +835,7 @@ class Wal:
     def _new_segment(self, first_seq: int) -> _Segment:
         path = self._dir / segment_name(first_seq)
         # O_EXCL: a leftover file of that name would mean our bookkeeping is wrong.
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         seg = _Segment(first_seq, path)
         self._segments.append(seg)
         self._dirty = False
@@ -813,18 +848,21 @@ class Wal:
         # last segment can ever hold a torn tail, and recovery may treat a
         # bad record in any other segment as corruption.
         assert self._fd is not None
+        # Only the last segment may end in unwritten space (recovery treats
+        # zeros anywhere else as damage).
+        self._trim_allocation()
         if self._dirty and self._sync_on:
-            os.fsync(self._fd)
+            os.fdatasync(self._fd)
         os.close(self._fd)
         self._fd = None
         return self._new_segment(first_seq)
 
     @_guarded
     def sync(self) -> None:
-        """Make every appended entry durable: one fsync (nothing in `none` mode)."""
+        """Make every appended entry durable: one fdatasync (nothing in `none` mode)."""
         if self._dirty and self._fd is not None:
             if self._sync_on:
-                os.fsync(self._fd)
+                os.fdatasync(self._fd)
             self._dirty = False
 
     @_guarded
@@ -885,10 +923,11 @@ class Wal:
         if self._segments:
             seg = self._segments[-1]
             index = seq + 1 - seg.first_seq
-            self._fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._fd = os.open(seg.path, os.O_WRONLY | os.O_CLOEXEC)
             if index < len(seg.offsets):
                 seg.size = seg.offsets[index]
                 os.ftruncate(self._fd, seg.size)
+                seg.alloc = seg.size
                 del seg.offsets[index:]
                 if self._sync_on:
                     os.fsync(self._fd)
@@ -1063,6 +1102,7 @@ class Wal:
         try:
             if self._failed is None:
                 try:
+                    self._trim_allocation()
                     self.sync()
                     if self._commit > self._hard.commit:
                         self._write_hard_state(replace(self._hard, commit=self._commit))
@@ -1071,6 +1111,14 @@ class Wal:
                     raise
         finally:
             self._release()
+
+    def _trim_allocation(self) -> None:
+        """Give back the space allocated past the records of the active segment."""
+        seg = self._segments[-1] if self._segments else None
+        if seg is not None and self._fd is not None and seg.alloc > seg.size:
+            os.ftruncate(self._fd, seg.size)
+            seg.alloc = seg.size
+            self._dirty = True
 
     def _close_fd(self) -> None:
         if self._fd is not None:

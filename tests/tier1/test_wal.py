@@ -46,12 +46,13 @@ def seg_files(d: Path) -> list[Path]:
 
 
 def spans(path: Path) -> list[tuple[int, int]]:
-    """(start, end) byte offsets of every complete record in a segment file."""
+    """(start, end) byte offsets of every complete record in a segment file
+    (up to the zeros of the space allocated ahead: no record is empty)."""
     data, out, pos = path.read_bytes(), [], 0
     while pos + HEADER.size <= len(data):
         length, _ = HEADER.unpack_from(data, pos)
         end = pos + HEADER.size + length
-        if end > len(data):
+        if length == 0 or end > len(data):
             break
         out.append((pos, end))
         pos = end
@@ -138,14 +139,53 @@ def test_bad_checksum_on_the_very_last_record_is_a_torn_tail(tmp_path: Path) -> 
         assert wal.last_seq == 4 and wal.recovery.torn_bytes == end - start
 
 
-def test_zero_filled_tail_is_torn(tmp_path: Path) -> None:
-    # A power loss can leave the file extended with zeros where a write was lost.
+def test_zeros_after_the_last_record_are_free_space(tmp_path: Path) -> None:
+    # The space allocated ahead of the writes, or a file extended by a power
+    # loss where a write was lost: either way nothing was written there.
     filled(tmp_path, 5).close()
     path = seg_files(tmp_path)[-1]
     with path.open("ab") as f:
         f.write(b"\0" * 4096)
     with Wal.open(tmp_path) as wal:
-        assert wal.last_seq == 5 and wal.recovery.torn_bytes == 4096
+        assert wal.last_seq == 5 and wal.recovery.torn_bytes == 0
+        wal.append(recs(6, 2))
+    with Wal.open(tmp_path) as wal:
+        assert wal.entries(1) == expected(1, 7)
+
+
+def test_a_write_cut_short_in_allocated_space_is_a_torn_tail(tmp_path: Path) -> None:
+    wal = filled(tmp_path, 5)
+    wal.append(recs(6, 1))
+    wal.sync()
+    path = seg_files(tmp_path)[-1]
+    start, end = spans(path)[-1]
+    assert path.stat().st_size > end  # allocated ahead
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))  # a crash while open
+    wal.close()
+    data = bytearray((copy / path.name).read_bytes())
+    data[end - 3:end] = b"\0\0\0"  # the last sector of the write never reached the disk
+    (copy / path.name).write_bytes(bytes(data))
+    with Wal.open(copy) as wal:
+        assert wal.last_seq == 5 and wal.recovery.torn_bytes == end - start
+        wal.append(recs(6, 2))
+    with Wal.open(copy) as wal:
+        assert wal.entries(1) == expected(1, 7) and wal.recovery.torn_bytes == 0
+
+
+def test_a_damaged_length_that_swallows_later_records_is_corruption(tmp_path: Path) -> None:
+    wal = filled(tmp_path, 6)
+    path = seg_files(tmp_path)[-1]
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
+    wal.close()
+    target = copy / path.name
+    (s2, _), (_, e_last) = spans(target)[2], spans(target)[-1]
+    data = bytearray(target.read_bytes())
+    HEADER.pack_into(data, s2, e_last - s2 - HEADER.size + 7, HEADER.unpack_from(data, s2)[1])
+    target.write_bytes(bytes(data))
+    with pytest.raises(WalCorrupt, match="checksum mismatch"):
+        Wal.open(copy)
 
 
 @pytest.mark.parametrize("target", ["body", "checksum", "length-small"])
@@ -386,8 +426,9 @@ def test_damaged_hard_state_is_corruption(tmp_path: Path) -> None:
 def test_fsync_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, per_sync: int,
                      per_append: int, hard_state: int) -> None:
     calls: list[int] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, real=real: (calls.append(fd), real(fd))[1])
     wal = Wal.open(tmp_path, fsync=mode)  # type: ignore[arg-type]
     calls.clear()
     wal.set_hard_state(term=1)  # temp file + directory
@@ -459,6 +500,7 @@ def test_fsync_error_fails_the_wal_until_reopened(tmp_path: Path, monkeypatch: p
     def eio(fd: int) -> None:
         raise OSError(errno.EIO, "simulated EIO")
     monkeypatch.setattr(os, "fsync", eio)
+    monkeypatch.setattr(os, "fdatasync", eio)
     with pytest.raises(OSError):
         wal.sync()
     with pytest.raises(WalFailed):
@@ -514,6 +556,7 @@ def test_random_operations_match_a_model(tmp_path_factory: pytest.TempPathFactor
     d = next(dirs)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "fsync", lambda fd: None)  # durability is simulated by copying files
+        mp.setattr(os, "fdatasync", lambda fd: None)
         wal = Wal.open(d, **opts)
         term, snap, log, durable = 1, (0, 0), [], 0  # log: entries after the snapshot
         wal.set_hard_state(term=term)
@@ -561,8 +604,14 @@ def test_random_operations_match_a_model(tmp_path_factory: pytest.TempPathFactor
                     unsynced = [s for s, e in spans(path)
                                 if msgpack.unpackb(path.read_bytes()[s + 12:e], strict_map_key=False)[1] > durable]
                     if unsynced:
-                        size = path.stat().st_size
-                        os.truncate(path, unsynced[0] + (size - unsynced[0]) * arg // 100)
+                        size = spans(path)[-1][1]
+                        cut = unsynced[0] + (size - unsynced[0]) * arg // 100
+                        if arg % 2:
+                            os.truncate(path, cut)  # the file's new length was lost too
+                        else:  # the allocated length survived, the writes did not
+                            with path.open("r+b") as f:
+                                f.seek(cut)
+                                f.write(b"\0" * (size - cut))
                 wal = Wal.open(d, **opts)
                 event(f"{op}, torn tail: {wal.recovery.torn_bytes > 0}")
                 assert durable <= wal.last_seq <= last()[1]
