@@ -59,7 +59,10 @@ decrease and never exceed the hard-state term. What it finds:
 * a torn tail — it is truncated away (`Wal.recovery.torn_bytes`, the bytes
   of the record cut): the last segment ends inside a record header, or
   inside the body a record header announces; or the last record written
-  (the one followed only by zeros, or by nothing) fails its checksum. A
+  (the one followed only by zeros, or by nothing) fails its checksum; or a
+  bad record in the last segment has an all-zero header or disk sector (a
+  hole a power loss left in writes that were never synced: what follows it
+  is cut too). A
   "short" record whose body is nevertheless complete — a msgpack object ends
   inside the file and matches the checksum, or is followed by a valid record —
   had its length field damaged: that is corruption, not a torn write,
@@ -390,14 +393,30 @@ def _decode_hard_state(path: Path, data: bytes) -> HardState:
                      snap_seq=obj["snap_seq"])
 
 
-def _length_damaged(data: bytes, pos: int, digest: int) -> bool:
-    """Is the record at `pos`, whose length runs past the end, really complete?
+_SECTOR = 512
+
+
+def _has_hole(data: bytes, start: int, stop: int) -> bool:
+    """Does the bad record in data[start:stop] have an all-zero header or an
+    all-zero disk sector? A write that did not all reach the disk leaves
+    them; a record damaged later (after its sync) almost never does, unless
+    its payload itself held 512 aligned zero bytes."""
+    if data.count(0, start, start + HEADER_BYTES) == HEADER_BYTES:
+        return True
+    first = -(-start // _SECTOR) * _SECTOR
+    return any(data.count(0, s, s + _SECTOR) == _SECTOR for s in range(first, stop - _SECTOR + 1, _SECTOR))
+
+
+def _length_damaged(data: bytes, pos: int, digest: int, or_followed: bool = True) -> bool:
+    """Is the record at `pos`, whose length disagrees with its body, really complete?
 
     A torn write leaves a prefix of the record. If instead a whole msgpack
-    object starts at the body and matches the checksum, or a valid record
-    follows it, the record was written completely and its length field was
-    damaged afterwards: that is corruption, and the records after it were
-    probably fsynced and acknowledged.
+    object starts at the body and matches the checksum, or (`or_followed`) a
+    valid record follows it, the record was written completely and its
+    length field was damaged afterwards: that is corruption, and the records
+    after it were probably fsynced and acknowledged. (A record with a hole
+    is followed by valid records whenever later writes reached the disk
+    before it: there only the checksum can tell.)
     """
     start = pos + HEADER_BYTES
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data))
@@ -409,7 +428,7 @@ def _length_damaged(data: bytes, pos: int, digest: int) -> bool:
     end = start + unpacker.tell()
     if xxh3_64_intdigest(data[start:end]) == digest:
         return True
-    if end + HEADER_BYTES <= len(data):
+    if or_followed and end + HEADER_BYTES <= len(data):
         length, next_digest = _HEADER.unpack_from(data, end)
         next_end = end + HEADER_BYTES + length
         if length and next_end <= len(data) and \
@@ -594,11 +613,21 @@ class Wal:
                 written = len(data[pos:].rstrip(b"\0")) if is_last else n - pos
                 if written == 0:
                     break  # zeros: space allocated ahead of the writes (or a lost extension)
+                rec_end = min(n, end) if n - pos >= HEADER_BYTES else n
+                if not torn and is_last and _has_hole(data, pos, rec_end) and \
+                        not _length_damaged(data, pos, digest, or_followed=False):
+                    # A power loss can leave holes in the last writes: space
+                    # allocated ahead reads as zeros until its writeback is
+                    # committed, and a later part of a write may reach the
+                    # disk first. Nothing after a hole was synced (a sync
+                    # covers all that was written before it), so cut there.
+                    torn, why = True, "a hole in the last write"
                 if not (torn and is_last):
                     raise WalCorrupt(path, pos, why + ("" if is_last else " in a segment that is not the last"))
                 os.truncate(path, pos)
-                # The bytes of the record that was cut (not the space after it).
-                torn_bytes, torn_segment = min(n, end if n - pos >= HEADER_BYTES else n) - pos, path.name
+                # The bytes cut: the bad record, and anything written after it
+                # (not the free space after that).
+                torn_bytes, torn_segment = max(rec_end, pos + written) - pos, path.name
                 n = pos
                 break
             seg.size = pos
@@ -796,10 +825,9 @@ class Wal:
         assert self._fd is not None and seg is self._segments[-1]
         try:
             if end > seg.alloc:
-                target = max(end, min(seg.alloc + PREALLOC_BYTES, self._segment_bytes))
-                os.posix_fallocate(self._fd, seg.alloc, target - seg.alloc)
-                seg.alloc = target
+                self._allocate(seg, end)
             _pwrite_all(self._fd, b"".join(parts), seg.size)
+            seg.alloc = max(seg.alloc, end)
         except OSError:
             del seg.offsets[len(seg.offsets) - len(batch):]
             raise
@@ -1112,10 +1140,24 @@ class Wal:
         finally:
             self._release()
 
+    def _allocate(self, seg: _Segment, end: int) -> None:
+        assert self._fd is not None
+        target = max(end, min(seg.alloc + PREALLOC_BYTES, self._segment_bytes))
+        try:
+            os.posix_fallocate(self._fd, seg.alloc, target - seg.alloc)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            # No room to allocate ahead (some may have been): the write
+            # itself tells whether the records fit.
+            return
+        seg.alloc = target
+
     def _trim_allocation(self) -> None:
         """Give back the space allocated past the records of the active segment."""
         seg = self._segments[-1] if self._segments else None
-        if seg is not None and self._fd is not None and seg.alloc > seg.size:
+        if seg is not None and self._fd is not None and \
+                (seg.alloc > seg.size or os.fstat(self._fd).st_size > seg.size):
             os.ftruncate(self._fd, seg.size)
             seg.alloc = seg.size
             self._dirty = True

@@ -173,6 +173,62 @@ def test_a_write_cut_short_in_allocated_space_is_a_torn_tail(tmp_path: Path) -> 
         assert wal.entries(1) == expected(1, 7) and wal.recovery.torn_bytes == 0
 
 
+def _crash_copy_with(tmp_path: Path, damage: Any) -> tuple[Path, list[tuple[int, int]]]:
+    """Five synced records, then three big unsynced ones; a copy of the
+    directory as a power loss could leave it after `damage(data, spans)`."""
+    wal = filled(tmp_path, 5)
+    wal.append([(1, s, {"seq": s, "blob": "y" * 1500}) for s in (6, 7, 8)])
+    path = seg_files(tmp_path)[-1]
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
+    wal.close()
+    target = copy / path.name
+    data = bytearray(target.read_bytes())
+    where = spans(target)
+    damage(data, where)
+    target.write_bytes(bytes(data))
+    return copy, where
+
+
+@pytest.mark.parametrize("hole", ["sector", "header"])
+def test_a_hole_in_unsynced_writes_ends_the_log_there(tmp_path: Path, hole: str) -> None:
+    def damage(data: bytearray, where: list[tuple[int, int]]) -> None:
+        start, end = where[5]  # seq 6; seqs 7 and 8 reached the disk
+        if hole == "header":
+            data[start:start + HEADER.size] = bytes(HEADER.size)
+        else:
+            sector = -(-(start + HEADER.size) // 512) * 512
+            assert sector + 512 <= end
+            data[sector:sector + 512] = bytes(512)
+    copy, where = _crash_copy_with(tmp_path, damage)
+    with Wal.open(copy) as wal:
+        assert wal.last_seq == 5 and wal.recovery.torn_bytes == where[-1][1] - where[5][0]
+        wal.append(recs(6, 2))
+    with Wal.open(copy) as wal:
+        assert wal.entries(1) == expected(1, 7) and wal.recovery.torn_bytes == 0
+
+
+def test_a_bad_record_without_a_hole_before_other_records_is_corruption(tmp_path: Path) -> None:
+    def damage(data: bytearray, where: list[tuple[int, int]]) -> None:
+        data[where[5][0] + 40] ^= 0x40  # one flipped bit in seq 6, seqs 7 and 8 intact
+    copy, _ = _crash_copy_with(tmp_path, damage)
+    with pytest.raises(WalCorrupt, match="checksum mismatch"):
+        Wal.open(copy)
+
+
+def test_no_room_to_allocate_ahead_still_appends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    wal = filled(tmp_path, 5)
+    wal.append(recs(6, 3))
+    wal.sync()
+    assert seg_files(tmp_path)[-1].stat().st_size == spans(seg_files(tmp_path)[-1])[-1][1]
+    wal.close()
+    with Wal.open(tmp_path) as wal:
+        assert wal.entries(1) == expected(1, 8)
+
+
 def test_a_damaged_length_that_swallows_later_records_is_corruption(tmp_path: Path) -> None:
     wal = filled(tmp_path, 6)
     path = seg_files(tmp_path)[-1]
@@ -606,12 +662,16 @@ def test_random_operations_match_a_model(tmp_path_factory: pytest.TempPathFactor
                     if unsynced:
                         size = spans(path)[-1][1]
                         cut = unsynced[0] + (size - unsynced[0]) * arg // 100
-                        if arg % 2:
+                        if arg % 3 == 0:
                             os.truncate(path, cut)  # the file's new length was lost too
-                        else:  # the allocated length survived, the writes did not
+                        elif arg % 3 == 1:  # the allocated length survived, the writes did not
                             with path.open("r+b") as f:
                                 f.seek(cut)
                                 f.write(b"\0" * (size - cut))
+                        else:  # a hole: the first unsynced header was lost, later writes were not
+                            with path.open("r+b") as f:
+                                f.seek(unsynced[0])
+                                f.write(b"\0" * HEADER.size)
                 wal = Wal.open(d, **opts)
                 event(f"{op}, torn tail: {wal.recovery.torn_bytes > 0}")
                 assert durable <= wal.last_seq <= last()[1]
