@@ -749,7 +749,7 @@ class Forwarder:
             st.last_leader = err.get("leader") if isinstance(err.get("leader"), str) else st.last_leader
         nxt = after_reply(reply.code, write, hinted_other)
         if nxt is not Next.DONE:
-            if reply.code == "quorum_timeout":
+            if reply.code == "quorum_timeout" or (write and err.get("maybe_applied") is True):
                 st.maybe_applied = True
             elif reply.code == "deadline_exceeded":
                 st.timed_out = True

@@ -34,6 +34,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class GroupSettings:
     segment_bytes: int = 64 * 1024 * 1024
 
 
+_GONE_MID_WRITE = "%s; a write may still commit under the next leader"
+
 @dataclass
 class Outcome:
     """The answer to one client write or read."""
@@ -100,6 +103,10 @@ class Outcome:
     leader: str | None = None
     result: Any = None
     message: str | None = None
+    # Refused after the core took it: the write may be in followers' logs
+    # already and commit under the next leader, so the client must not be
+    # told that nothing was applied.
+    maybe_applied: bool = False
 
 
 @dataclass
@@ -172,6 +179,9 @@ class GroupShell:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._download: asyncio.Task[None] | None = None
+        # Set while a thread writes a snapshot pass: cancelling the loop does
+        # not stop that thread, and the WAL must not be closed under it.
+        self._persisting: threading.Event | None = None
         self._session: aiohttp.ClientSession | None = None
         self.failed: str | None = None
         self.latency = _LatencyStats()
@@ -244,12 +254,15 @@ class GroupShell:
                     await task
                 except asyncio.CancelledError:
                     pass
+        if self._persisting is not None:
+            await asyncio.to_thread(self._persisting.wait)
         if self._timer is not None:
             self._timer.cancel()
         for fut, _, _ in self._pending.values():
             if not fut.done():
-                fut.set_result(Outcome(False, error_code="unavailable", message="worker shutting down"))
-        self._fail_batched("worker shutting down")
+                fut.set_result(Outcome(False, error_code="unavailable", message=_GONE_MID_WRITE % "worker shutting down",
+                                       maybe_applied=True))
+        self._fail_batched(_GONE_MID_WRITE % "worker shutting down")
         if self._session is not None:
             await self._session.close()
         if self.wal is not None:
@@ -366,8 +379,9 @@ class GroupShell:
             self.log.critical("group_failed", error=self.failed, exc_info=True)
             for fut, _, _ in self._pending.values():
                 if not fut.done():
-                    fut.set_result(Outcome(False, error_code="unavailable", message="group failed on this worker"))
-            self._fail_batched("group failed on this worker")
+                    fut.set_result(Outcome(False, error_code="unavailable",
+                                           message=_GONE_MID_WRITE % "group failed on this worker", maybe_applied=True))
+            self._fail_batched(_GONE_MID_WRITE % "group failed on this worker")
 
     async def _perform(self, effects: list[m.Effect]) -> None:
         first = next((i for i, e in enumerate(effects) if type(e) is m.Persist), None)
@@ -385,7 +399,9 @@ class GroupShell:
         persists = [e for e in effects[first:] if isinstance(e, m.Persist)]
         if any(p.snapshot is not None for p in persists):
             # Writing a snapshot archive can take long: off the loop.
-            await asyncio.to_thread(self._persist_all, persists)
+            done = self._persisting = threading.Event()
+            await asyncio.to_thread(self._persist_all, persists, done)
+            self._persisting = None
         else:
             # Appends and one fsync (~0.2 ms) inline: a hop to a thread
             # costs more CPU than that (futex hand-offs, GIL contention
@@ -425,7 +441,14 @@ class GroupShell:
 
     # -- persistence ------------------------------------------------
 
-    def _persist_all(self, persists: list[m.Persist]) -> None:
+    def _persist_all(self, persists: list[m.Persist], done: threading.Event | None = None) -> None:
+        try:
+            self._persist_in_order(persists)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _persist_in_order(self, persists: list[m.Persist]) -> None:
         wal = self.wal
         assert wal is not None
         for p in persists:
@@ -529,7 +552,7 @@ class GroupShell:
 
     def _fail_batched(self, message: str) -> None:
         for batch, i in self._batched.values():
-            batch.results[i] = Outcome(False, error_code="unavailable", message=message)
+            batch.results[i] = Outcome(False, error_code="unavailable", message=message, maybe_applied=True)
             batch.left -= 1
             if batch.left == 0 and not batch.fut.done():
                 batch.fut.set_result(None)

@@ -264,7 +264,8 @@ class WorkerApi:
         code = out.error_code or "unavailable"
         leader = out.leader if out.leader is not None else shell.replica.leader
         return error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
-                          term=out.term or shell.replica.term, leader=leader)
+                          term=out.term or shell.replica.term, leader=leader,
+                          maybe_applied=True if out.maybe_applied else None)
 
     def _outcome(self, shell: Any, out: Any) -> "CallResult":
         headers = {"x-shard": str(shell.gid), "x-term": str(out.term), "x-seq": str(out.seq),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -78,3 +79,69 @@ async def test_snapshot_interval_counts_writes_not_entries(shell: GroupShell) ->
     await _until(lambda: shell.latest_snapshot() is not None)
     snap = shell.latest_snapshot()
     assert snap is not None and snap.seq <= 3  # at the second "ops" entry (seq 1 is the term start)
+
+
+class _Recorder:
+    """A transport that records what the leader sends, in order with its syncs."""
+
+    def __init__(self, trail: list[str]) -> None:
+        self.trail = trail
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+        if isinstance(msg, m.Append) and any(e.kind in ("op", "ops") for e in msg.entries):
+            self.trail.append(f"append {msg.dst}")
+
+
+async def _three_voter_leader(tmp_path: Path, trail: list[str]) -> tuple[GroupShell, _Recorder]:
+    """Leader "a" of voters a, b, c, ready: b promised and acknowledged the term start."""
+    peers = _Recorder(trail)
+    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch"),
+                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    g.open()
+    g.start()
+    env = dict(src="b", dst="a", group=0, term=1)
+    g.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+    await _until(lambda: any(isinstance(s, m.Begin) for s in peers.sent))
+    g.deliver(m.BeginOk(**env, last_term=0, last_seq=0, commit=0))
+    await _until(lambda: any(isinstance(s, m.Append) and s.dst == "b" for s in peers.sent))
+    g.deliver(m.AppendReply(**env, ok=True, prev_seq=0, match=1))
+    await _until(lambda: g.replica is not None and g.replica.ready)
+    assert g.wal is not None
+    real_sync = g.wal.sync
+    g.wal.sync = lambda: (trail.append("sync"), real_sync())[1]  # type: ignore[method-assign]
+    return g, peers
+
+
+async def test_the_leader_sends_a_fresh_entry_before_its_own_sync(tmp_path: Path) -> None:
+    trail: list[str] = []
+    g, peers = await _three_voter_leader(tmp_path, trail)
+    try:
+        write = asyncio.create_task(g.write_many([(put(1), "w1")], "quorum", 5.0))
+        await _until(lambda: "sync" in trail)
+        # b's stream had the entry before our fsync started (c has not answered the
+        # term start yet, so its Append is still in flight and the entry waits).
+        assert trail[:2] == ["append b", "sync"]
+        g.deliver(m.AppendReply(src="b", dst="a", group=0, term=1, ok=True, prev_seq=1, match=2))
+        out = await write
+        assert out[0].ok and out[0].seq == 2
+    finally:
+        await g.close()
+
+
+async def test_writes_cut_off_by_a_failed_group_may_still_commit(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    trail: list[str] = []
+    g, peers = await _three_voter_leader(tmp_path, trail)
+    try:
+        def broken_disk(fd: int) -> None:
+            raise OSError(5, "simulated EIO")
+        monkeypatch.setattr(os, "fdatasync", broken_disk)
+        out = await g.write_many([(put(1), "w1")], "quorum", 5.0)
+        # The Append already left: the followers may commit it under the next leader.
+        assert "append b" in trail
+        assert not out[0].ok and out[0].error_code == "unavailable" and out[0].maybe_applied
+        assert g.failed is not None and "EIO" in g.failed
+    finally:
+        await g.close()
