@@ -205,6 +205,28 @@ async def test_quorum_timeout_until_the_deadline_is_504_outcome_unknown(aiohttp_
     assert len(f.workers["A"].calls) >= 3 and {c.body["rid"] for c in f.workers["A"].calls} == {"same"}
 
 
+@pytest.mark.parametrize("maybe_applied", [True, False])
+async def test_a_leader_gone_mid_write_is_outcome_unknown_only_when_it_says_so(
+        aiohttp_server: Any, aiohttp_client: Any, maybe_applied: bool) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def failing(call: Call) -> Answer:
+        status, body = err("unavailable", call.gid, leader="A", term=1)
+        if maybe_applied:  # the group failed after its Appends left (worker/group.py)
+            body["error"]["maybe_applied"] = True
+        return status, body
+
+    f.workers["A"].on = failing
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "300"})
+    error = (await resp.json())["error"]
+    if maybe_applied:
+        assert resp.status == 504 and error["code"] == "quorum_timeout" and "outcome is unknown" in error["message"]
+    else:
+        assert resp.status == 503 and error["code"] == "unavailable" and "nothing was applied" in error["message"]
+    assert f.workers["A"].calls
+
+
 async def test_search_merges_top_k_across_groups(aiohttp_server: Any, aiohttp_client: Any) -> None:
     f = await make_fakes(aiohttp_server, shards=3)
     f.workers["w1"].search_hits[0] = [{"id": "a", "score": 0.9}, {"id": "d", "score": 0.5}, {"id": "g", "score": 0.1}]
