@@ -60,9 +60,10 @@ decrease and never exceed the hard-state term. What it finds:
   of the record cut): the last segment ends inside a record header, or
   inside the body a record header announces; or the last record written
   (the one followed only by zeros, or by nothing) fails its checksum; or a
-  bad record in the last segment has an all-zero header or disk sector (a
+  bad record in the last segment has an all-zero header or 4 KiB block (a
   hole a power loss left in writes that were never synced: what follows it
-  is cut too). A
+  is cut too). A cut at or below the hard state's commit hint is corruption
+  instead: the hint is written only once the log it covers is synced. A
   "short" record whose body is nevertheless complete — a msgpack object ends
   inside the file and matches the checksum, or is followed by a valid record —
   had its length field damaged: that is corruption, not a torn write,
@@ -393,18 +394,20 @@ def _decode_hard_state(path: Path, data: bytes) -> HardState:
                      snap_seq=obj["snap_seq"])
 
 
-_SECTOR = 512
+# A filesystem block: what a lost writeback leaves as zeros.
+_BLOCK = 4096
 
 
 def _has_hole(data: bytes, start: int, stop: int) -> bool:
     """Does the bad record in data[start:stop] have an all-zero header or an
-    all-zero disk sector? A write that did not all reach the disk leaves
-    them; a record damaged later (after its sync) almost never does, unless
-    its payload itself held 512 aligned zero bytes."""
+    all-zero filesystem block? A write that did not all reach the disk
+    leaves them; a record damaged after its sync rarely does, unless its
+    payload itself held 4 KiB of aligned zero bytes (the commit-hint check
+    in `open()` catches that case for committed records)."""
     if data.count(0, start, start + HEADER_BYTES) == HEADER_BYTES:
         return True
-    first = -(-start // _SECTOR) * _SECTOR
-    return any(data.count(0, s, s + _SECTOR) == _SECTOR for s in range(first, stop - _SECTOR + 1, _SECTOR))
+    first = -(-start // _BLOCK) * _BLOCK
+    return any(data.count(0, b, b + _BLOCK) == _BLOCK for b in range(first, stop - _BLOCK + 1, _BLOCK))
 
 
 def _length_damaged(data: bytes, pos: int, digest: int, or_followed: bool = True) -> bool:
@@ -624,6 +627,10 @@ class Wal:
                     torn, why = True, "a hole in the last write"
                 if not (torn and is_last):
                     raise WalCorrupt(path, pos, why + ("" if is_last else " in a segment that is not the last"))
+                if expect <= hard.commit:
+                    # The hint is only written once what it covers is synced:
+                    # this record reached the disk and was damaged after.
+                    raise WalCorrupt(path, pos, f"{why} at seq {expect}, at or below the commit hint {hard.commit}")
                 os.truncate(path, pos)
                 # The bytes cut: the bad record, and anything written after it
                 # (not the free space after that).
@@ -909,7 +916,10 @@ class Wal:
             if term < self._hard.term:
                 raise ValueError(f"term {term} is below the current term {self._hard.term}")
             if term > self._hard.term:
-                self._write_hard_state(replace(self._hard, term=term, commit=self._commit))
+                # The hint on disk never runs ahead of the synced log, so that
+                # recovery may treat a cut below it as damage (see open()).
+                hint = self._hard.commit if self._dirty else self._commit
+                self._write_hard_state(replace(self._hard, term=term, commit=hint))
 
     def persist(self, *, term: int | None = None, truncate_after: int | None = None,
                 records: Iterable[tuple[int, int, Any]] = (), commit: int | None = None) -> None:

@@ -23,6 +23,7 @@ from worker.wal import (
     WalCorrupt,
     WalError,
     WalFailed,
+    _decode_hard_state,
     segment_name,
 )
 
@@ -177,7 +178,7 @@ def _crash_copy_with(tmp_path: Path, damage: Any) -> tuple[Path, list[tuple[int,
     """Five synced records, then three big unsynced ones; a copy of the
     directory as a power loss could leave it after `damage(data, spans)`."""
     wal = filled(tmp_path, 5)
-    wal.append([(1, s, {"seq": s, "blob": "y" * 1500}) for s in (6, 7, 8)])
+    wal.append([(1, s, {"seq": s, "blob": "y" * 9000}) for s in (6, 7, 8)])
     path = seg_files(tmp_path)[-1]
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
@@ -190,16 +191,16 @@ def _crash_copy_with(tmp_path: Path, damage: Any) -> tuple[Path, list[tuple[int,
     return copy, where
 
 
-@pytest.mark.parametrize("hole", ["sector", "header"])
+@pytest.mark.parametrize("hole", ["block", "header"])
 def test_a_hole_in_unsynced_writes_ends_the_log_there(tmp_path: Path, hole: str) -> None:
     def damage(data: bytearray, where: list[tuple[int, int]]) -> None:
         start, end = where[5]  # seq 6; seqs 7 and 8 reached the disk
         if hole == "header":
             data[start:start + HEADER.size] = bytes(HEADER.size)
         else:
-            sector = -(-(start + HEADER.size) // 512) * 512
-            assert sector + 512 <= end
-            data[sector:sector + 512] = bytes(512)
+            block = -(-(start + HEADER.size) // 4096) * 4096
+            assert block + 4096 <= end
+            data[block:block + 4096] = bytes(4096)
     copy, where = _crash_copy_with(tmp_path, damage)
     with Wal.open(copy) as wal:
         assert wal.last_seq == 5 and wal.recovery.torn_bytes == where[-1][1] - where[5][0]
@@ -214,6 +215,37 @@ def test_a_bad_record_without_a_hole_before_other_records_is_corruption(tmp_path
     copy, _ = _crash_copy_with(tmp_path, damage)
     with pytest.raises(WalCorrupt, match="checksum mismatch"):
         Wal.open(copy)
+
+
+def test_a_damaged_committed_record_full_of_zeros_is_corruption_not_a_hole(tmp_path: Path) -> None:
+    with Wal.open(tmp_path) as wal:
+        wal.set_hard_state(term=1)
+        wal.append([(1, s, {"seq": s, "v": bytes(9000) if s == 3 else b"x"}) for s in range(1, 8)])
+        wal.sync()
+        wal.set_hard_state(commit=7)
+    path = seg_files(tmp_path)[-1]
+    start, _ = spans(path)[2]
+    flip(path, start + HEADER.size + 2)  # seq 3, synced and committed, damaged on disk later
+    with pytest.raises(WalCorrupt, match="at or below the commit hint 7"):
+        Wal.open(tmp_path)
+
+
+def hard_state_on_disk(d: Path) -> HardState:
+    path = d / "hardstate"
+    return _decode_hard_state(path, path.read_bytes())
+
+
+def test_the_commit_hint_on_disk_never_runs_ahead_of_the_synced_log(tmp_path: Path) -> None:
+    wal = filled(tmp_path, 5)
+    wal.sync()
+    wal.set_hard_state(commit=5, term=2)
+    assert hard_state_on_disk(tmp_path).commit == 5  # all of the log was synced
+    wal.append(recs(6, 3, term=2))
+    wal.set_hard_state(commit=8, term=3)  # a new term while seqs 6-8 are not synced yet
+    assert hard_state_on_disk(tmp_path).commit == 5
+    wal.sync()
+    wal.close()
+    assert hard_state_on_disk(tmp_path).commit == 8
 
 
 def test_no_room_to_allocate_ahead_still_appends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
