@@ -34,8 +34,8 @@ import itertools
 import os
 import shutil
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,9 +179,9 @@ class GroupShell:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._download: asyncio.Task[None] | None = None
-        # Set while a thread writes a snapshot pass: cancelling the loop does
-        # not stop that thread, and the WAL must not be closed under it.
-        self._persisting: threading.Event | None = None
+        # The thread that writes snapshot passes. Cancelling the loop does not
+        # stop a pass it is running, and the WAL must not be closed under it.
+        self._persist_pool: ThreadPoolExecutor | None = None
         self._session: aiohttp.ClientSession | None = None
         self.failed: str | None = None
         self.latency = _LatencyStats()
@@ -254,8 +254,9 @@ class GroupShell:
                     await task
                 except asyncio.CancelledError:
                     pass
-        if self._persisting is not None:
-            await asyncio.to_thread(self._persisting.wait)
+        if self._persist_pool is not None:
+            # Drops a pass still queued, waits for one that is running.
+            await asyncio.to_thread(self._persist_pool.shutdown, wait=True, cancel_futures=True)
         if self._timer is not None:
             self._timer.cancel()
         for fut, _, _ in self._pending.values():
@@ -399,9 +400,9 @@ class GroupShell:
         persists = [e for e in effects[first:] if isinstance(e, m.Persist)]
         if any(p.snapshot is not None for p in persists):
             # Writing a snapshot archive can take long: off the loop.
-            done = self._persisting = threading.Event()
-            await asyncio.to_thread(self._persist_all, persists, done)
-            self._persisting = None
+            if self._persist_pool is None:
+                self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-persist")
+            await asyncio.wrap_future(self._persist_pool.submit(self._persist_all, persists))
         else:
             # Appends and one fsync (~0.2 ms) inline: a hop to a thread
             # costs more CPU than that (futex hand-offs, GIL contention
@@ -441,14 +442,7 @@ class GroupShell:
 
     # -- persistence ------------------------------------------------
 
-    def _persist_all(self, persists: list[m.Persist], done: threading.Event | None = None) -> None:
-        try:
-            self._persist_in_order(persists)
-        finally:
-            if done is not None:
-                done.set()
-
-    def _persist_in_order(self, persists: list[m.Persist]) -> None:
+    def _persist_all(self, persists: list[m.Persist]) -> None:
         wal = self.wal
         assert wal is not None
         for p in persists:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -145,3 +146,35 @@ async def test_writes_cut_off_by_a_failed_group_may_still_commit(tmp_path: Path,
         assert g.failed is not None and "EIO" in g.failed
     finally:
         await g.close()
+
+
+async def test_close_waits_for_a_snapshot_pass_running_in_its_thread(tmp_path: Path) -> None:
+    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=5),
+                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    g.open()
+    g.start()
+    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    await _until(lambda: g.replica is not None and g.replica.ready)
+    real = g._persist_all
+    running, release = threading.Event(), threading.Event()
+    snapshot_passes: list[str] = []
+
+    def slow_disk(persists: list[m.Persist]) -> None:
+        if not any(p.snapshot is not None for p in persists):
+            real(persists)
+            return
+        running.set()
+        assert release.wait(10)
+        real(persists)  # raises WalClosed if close() did not wait
+        snapshot_passes.append("done")
+    g._persist_all = slow_disk  # type: ignore[method-assign]
+    writes = asyncio.create_task(g.write_many([(put(i), f"c{i}") for i in range(10)], "quorum", 5.0))
+    await _until(running.is_set)
+    closing = asyncio.create_task(g.close())
+    assert g._task is not None
+    await _until(g._task.done)  # the loop is cancelled; the pass's thread is not
+    assert not closing.done()
+    release.set()
+    await closing
+    assert snapshot_passes == ["done"]
+    await asyncio.gather(writes, return_exceptions=True)
