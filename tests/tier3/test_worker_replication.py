@@ -167,7 +167,7 @@ def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
     # Flip a byte in the middle of the first WAL segment: corruption before the tail.
     seg = sorted((c.root / "workers" / victim / "groups" / str(gid) / "wal").glob("wal-*.seg"))[0]
     raw = bytearray(seg.read_bytes())
-    raw[len(raw) // 3] ^= 0xFF
+    raw[len(raw.rstrip(b"\0")) // 3] ^= 0xFF  # inside the records, not the space allocated after them
     seg.write_bytes(bytes(raw))
     asyncio.run(write_n(150, 50))
     c.start_workers([victim])
