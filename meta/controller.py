@@ -67,6 +67,9 @@ class GroupReport:
     config_seq: int = 0
     # The replica lost its log and re-syncs: it must neither lead nor vote.
     resyncing: bool = False
+    # The replica's group loop stopped (a disk error): it answers nothing
+    # until its worker restarts, so it must not lead. Why, as the worker said.
+    failed: str | None = None
     write_rate: float = 0.0  # acknowledged writes/s (leaders), for lag allowances
 
 
@@ -167,7 +170,7 @@ def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_m
             continue
         seen = soft.workers.get(voter)
         report = seen.groups.get(group.id) if seen is not None else None
-        if report is not None and report.resyncing:
+        if report is not None and unusable(report):
             continue
         last = (report.last_term, report.last_seq) if report is not None else (-1, -1)
         preferred = 1 if voter == group.preferred_leader else 0
@@ -177,6 +180,11 @@ def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_m
                 ((key[0], key[1]) == (best[0], best[1]) and voter < best[2]):
             best = key
     return best[2] if best is not None else None
+
+
+def unusable(report: GroupReport) -> bool:
+    """A replica that must not lead: it re-syncs, or its group failed."""
+    return report.resyncing or report.failed is not None
 
 
 def report_of(soft: SoftState, worker: str | None, group: int) -> GroupReport | None:
@@ -288,7 +296,7 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
         if seen is None or not is_live(soft, pref, now_ms, lease_ms) or now_ms - seen.up_since_ms < REBALANCE_AFTER_MS:
             continue
         rep, lead = report_of(soft, pref, g.id), report_of(soft, g.leader, g.id)
-        if rep is None or lead is None or rep.resyncing or rep.term != g.term:
+        if rep is None or lead is None or unusable(rep) or rep.term != g.term:
             continue
         if rep.last_seq < lead.commit - transfer_lag_allowed(lead, lease_ms):
             continue
@@ -305,7 +313,7 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         grace = lease_ms if group.ready_term > 0 else max(lease_ms, BOOTSTRAP_GRACE_MS)
         lead_report = report_of(soft, group.leader, group.id)
         if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
-                not (lead_report is not None and lead_report.resyncing):
+                not (lead_report is not None and unusable(lead_report)):
             continue
         candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:
@@ -314,6 +322,8 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
             reason = "leader_unassigned"
         elif lead_report is not None and lead_report.resyncing:
             reason = f"leader {group.leader} lost its log and re-syncs"
+        elif lead_report is not None and lead_report.failed is not None:
+            reason = f"leader {group.leader}'s replica failed: {lead_report.failed}"
         else:
             reason = f"leader {group.leader} silent for {grace} ms"
         actions.append(SetLeader(group.id, candidate, group.term, reason))

@@ -471,6 +471,7 @@ class MetaServer:
                     voters=tuple(str(v) for v in rep.get("voters", ())),
                     learners=tuple(str(v) for v in rep.get("learners", ())),
                     config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)),
+                    failed=None if rep.get("failed") is None else str(rep["failed"])[:200],
                     write_rate=float(rep.get("write_rate", 0) or 0))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \

@@ -98,6 +98,28 @@ def test_a_resyncing_replica_never_leads() -> None:
     assert action.leader == "w3"
 
 
+def test_a_failed_replica_never_leads() -> None:
+    now = 10_000
+    gs = groups()
+    soft = SoftState(leader_since_ms=0)
+    # w1 heartbeats as usual, but its replica of group 0 stopped on a disk error.
+    soft.heard_from("w1", now, {0: GroupReport(term=5, role="leader", last_term=5, last_seq=90,
+                                                failed="OSError: [Errno 5] EIO")})
+    soft.heard_from("w2", now, {0: GroupReport(term=5, last_term=5, last_seq=80)})
+    soft.heard_from("w3", now, {0: GroupReport(term=5, last_term=5, last_seq=85, failed="OSError: [Errno 28]")})
+    (action,) = [a for a in decide(gs, soft, now, LEASE) if a.group == 0]
+    assert action.leader == "w2" and "replica failed: OSError: [Errno 5] EIO" in action.reason
+    # Nor does leadership go back to a preferred leader whose replica failed.
+    gs[0].leader, gs[0].term, gs[0].ready_term = "w2", 6, 6
+    for t in range(now, now + REBALANCE_AFTER_MS + 1, 500):
+        soft.heard_from("w2", t, {0: GroupReport(term=6, role="leader", last_term=6, last_seq=91, commit=91)})
+        soft.heard_from("w1", t, {0: GroupReport(term=6, last_term=6, last_seq=91, failed="OSError: [Errno 5] EIO")})
+    later = now + REBALANCE_AFTER_MS
+    assert rebalance(gs, soft, later, LEASE) == []
+    soft.heard_from("w1", later, {0: GroupReport(term=6, last_term=6, last_seq=91)})  # restarted, healthy
+    assert rebalance(gs, soft, later, LEASE) == [StartTransfer(0, "w2", "w1")]
+
+
 def test_transfer_lag_allowance_grows_with_the_leaders_write_rate() -> None:
     from meta.controller import CATCH_UP_LAG, transfer_lag_allowed
 
