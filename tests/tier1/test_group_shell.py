@@ -42,14 +42,20 @@ async def _until(cond: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-@pytest.fixture
-async def shell(tmp_path: Path) -> AsyncIterator[GroupShell]:
-    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=50),
+async def _single_voter(tmp_path: Path, snapshot_every: int) -> GroupShell:
+    """The ready leader of a one-voter group."""
+    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=snapshot_every),
                    _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     g.start()
     g.deliver(m.MetaView(1, "a", ("a",), (), 0))
     await _until(lambda: g.replica is not None and g.replica.ready)
+    return g
+
+
+@pytest.fixture
+async def shell(tmp_path: Path) -> AsyncIterator[GroupShell]:
+    g = await _single_voter(tmp_path, snapshot_every=50)
     yield g
     await g.close()
 
@@ -149,12 +155,7 @@ async def test_writes_cut_off_by_a_failed_group_may_still_commit(tmp_path: Path,
 
 
 async def test_close_waits_for_a_snapshot_pass_running_in_its_thread(tmp_path: Path) -> None:
-    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=5),
-                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
-    g.open()
-    g.start()
-    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
-    await _until(lambda: g.replica is not None and g.replica.ready)
+    g = await _single_voter(tmp_path, snapshot_every=5)
     real = g._persist_all
     running, release = threading.Event(), threading.Event()
     snapshot_passes: list[str] = []
