@@ -1347,7 +1347,12 @@ class Replica:
         if tr is None or tr.reported:
             return
         pr = lead.progress.get(tr.target)
-        if pr is not None and pr.match >= self.last_seq:
+        # The target has all of our log, and all of it is committed: with
+        # writes refused meanwhile, every write we took has been answered
+        # before we hand over (in a group of four or more voters the target
+        # and we are no majority, and a step-down would leave pending writes
+        # with an unknown outcome).
+        if pr is not None and pr.match >= self.last_seq and self._commit >= self.last_seq:
             tr.reported = True
             self._out.append(TransferReady(tr.target, self._term, self.last_seq))
 

@@ -630,6 +630,21 @@ def test_transfer_refuses_writes_naming_the_target_then_reports() -> None:
     assert net.r["b"].ready and net.r["a"].role == "follower"
 
 
+def test_transfer_hands_over_only_once_every_write_taken_is_committed() -> None:
+    net = ready_net(4)  # a majority is 3: the leader and its target alone are not one
+    net.drop = lambda m: m.dst in ("c", "d")
+    net.do("a", ClientWrite("w0", "x"))
+    net.do("a", TransferLeader("b"))
+    net.run()
+    assert net.r["b"].last_seq == net.r["a"].last_seq  # the target has everything
+    assert not net.of("a", TransferReady) and not net.of("a", Reply)  # but w0 is not committed
+    net.drop = lambda m: m.dst == "d"
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert [r.ok for r in net.of("a", Reply)] == [True]  # w0 answered before the hand-over
+    assert net.of("a", TransferReady) == [TransferReady("b", 1, 2)]
+
+
 def test_transfer_times_out_and_admits_again() -> None:
     net = ready_net()
     net.do("a", TransferLeader("b"))
