@@ -27,7 +27,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 class LoadThread(threading.Thread):
-    """Sequential unique writes to one group, following not_leader hints; records every answer."""
+    """Sequential unique writes to one group, following not_leader hints; records every answer.
+
+    A `quorum_timeout` (outcome unknown) is retried with the same request id,
+    as the runbook tells clients to: the group's dedup table applies it once.
+    Such answers are counted in `unknown`, not in `errors`."""
 
     def __init__(self, c: Cluster, gid: int, limit: int = 100_000) -> None:
         super().__init__(daemon=True)
@@ -35,6 +39,8 @@ class LoadThread(threading.Thread):
         self.stop = threading.Event()
         self.acked: dict[str, int] = {}
         self.errors: list[tuple[int, str]] = []
+        self.details: list[str] = []  # when, where and what, for each error and unknown outcome
+        self.unknown = 0
         self.not_leader = 0
 
     def leader_addr(self) -> str:
@@ -66,7 +72,12 @@ class LoadThread(threading.Thread):
                     addr = v["workers"][hint]["addr"] if hint in v["workers"] else self.leader_addr()
                     self.stop.wait(0.01)  # brief backoff before following the hint
                     continue
+                if code == "quorum_timeout":
+                    self.unknown += 1
+                    self.details.append(f"{time.strftime('%H:%M:%S')} {key} at {addr}: {status} {resp['error']}")
+                    continue  # the same rid again
                 self.errors.append((status, code))
+                self.details.append(f"{time.strftime('%H:%M:%S')} {key} at {addr}: {status} {resp['error']}")
             i += 1
 
 
@@ -125,8 +136,10 @@ def test_transfer_under_load_then_add_and_remove_replicas(cluster: Cluster) -> N
     finally:
         load.stop.set()
         load.join(30)
-    assert load.errors == [], f"client-visible errors: {load.errors[:10]}"
-    print(f"\nacked {len(load.acked)} writes, {load.not_leader} not_leader redirects, 0 errors")
+    assert load.errors == [], f"client-visible errors: {load.errors[:10]} {load.details[:10]}"
+    assert load.unknown <= 3, f"{load.unknown} outcome-unknown answers: {load.details[:10]}"
+    print(f"\nacked {len(load.acked)} writes, {load.not_leader} not_leader redirects, "
+          f"{load.unknown} retried after quorum_timeout {load.details}, 0 errors")
     leader = c.view()["groups"]["1"]["leader"]
     for wid in ("w4", leader):
         assert read_all(c, wid, 1, load.acked) == [], f"acknowledged writes missing on {wid}"
