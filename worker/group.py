@@ -92,6 +92,7 @@ class GroupSettings:
 
 _GONE_MID_WRITE = "%s; a write may still commit under the next leader"
 
+
 @dataclass
 class Outcome:
     """The answer to one client write or read."""
@@ -259,11 +260,7 @@ class GroupShell:
             await asyncio.to_thread(self._persist_pool.shutdown, wait=True, cancel_futures=True)
         if self._timer is not None:
             self._timer.cancel()
-        for fut, _, _ in self._pending.values():
-            if not fut.done():
-                fut.set_result(Outcome(False, error_code="unavailable", message=_GONE_MID_WRITE % "worker shutting down",
-                                       maybe_applied=True))
-        self._fail_batched(_GONE_MID_WRITE % "worker shutting down")
+        self._fail_all("worker shutting down")
         if self._session is not None:
             await self._session.close()
         if self.wal is not None:
@@ -378,11 +375,7 @@ class GroupShell:
         except Exception as exc:  # noqa: BLE001 - a replica bug or a disk failure: stop this group, loudly
             self.failed = f"{type(exc).__name__}: {exc}"
             self.log.critical("group_failed", error=self.failed, exc_info=True)
-            for fut, _, _ in self._pending.values():
-                if not fut.done():
-                    fut.set_result(Outcome(False, error_code="unavailable",
-                                           message=_GONE_MID_WRITE % "group failed on this worker", maybe_applied=True))
-            self._fail_batched(_GONE_MID_WRITE % "group failed on this worker")
+            self._fail_all("group failed on this worker")
 
     async def _perform(self, effects: list[m.Effect]) -> None:
         first = next((i for i, e in enumerate(effects) if type(e) is m.Persist), None)
@@ -544,9 +537,18 @@ class GroupShell:
             return Outcome(False, r.seq, r.term, result.code, message=result.message)
         return Outcome(True, r.seq, r.term, result=result)
 
-    def _fail_batched(self, message: str) -> None:
+    def _fail_all(self, why: str) -> None:
+        """Answer everything the core took and will not answer now. Writes and
+        membership changes may still commit under the next leader; reads
+        changed nothing."""
+        for fut, _, kind in self._pending.values():
+            if not fut.done():
+                changes = kind == "members"
+                fut.set_result(Outcome(False, error_code="unavailable", maybe_applied=changes,
+                                       message=_GONE_MID_WRITE % why if changes else why))
         for batch, i in self._batched.values():
-            batch.results[i] = Outcome(False, error_code="unavailable", message=message, maybe_applied=True)
+            batch.results[i] = Outcome(False, error_code="unavailable", message=_GONE_MID_WRITE % why,
+                                       maybe_applied=True)
             batch.left -= 1
             if batch.left == 0 and not batch.fut.done():
                 batch.fut.set_result(None)

@@ -179,3 +179,13 @@ async def test_close_waits_for_a_snapshot_pass_running_in_its_thread(tmp_path: P
     await closing
     assert snapshot_passes == ["done"]
     await asyncio.gather(writes, return_exceptions=True)
+
+
+async def test_a_read_cut_off_by_shutdown_changed_nothing(tmp_path: Path) -> None:
+    trail: list[str] = []
+    g, peers = await _three_voter_leader(tmp_path, trail)
+    read = asyncio.create_task(g.read({"kind": "get_item", "id": "k"}, "strong", 0, 5.0))
+    await _until(lambda: any(isinstance(s, m.Heartbeat) and s.round for s in peers.sent))  # it waits for b
+    await g.close()
+    out = await read
+    assert not out.ok and out.error_code == "unavailable" and not out.maybe_applied
