@@ -266,6 +266,10 @@ class Replica:
         self._follower_reads: list[_Read] = []
         self._timer_at: int | None = None
         self._config_cache: Config | None = None
+        # A Compact the leader holds back while a follower still needs the
+        # entries it would drop (see _on_compact).
+        self._compact_meta: SnapshotMeta | None = None
+        self._compact_asked = 0
         self._now = 0
         self._out: list[Effect] = []
 
@@ -1023,10 +1027,35 @@ class Replica:
         seq = c.seq
         if seq <= self._snap_seq or seq > self._applied:
             return
-        meta = self._snapshot_meta_at(seq)
-        del self._log[: seq - self._snap_seq]
-        self._snap, self._snap_seq, self._snap_term = meta, seq, meta.term
-        self._configs = [x for x in self._configs if x[0] > seq]
+        if self._compact_meta is None or seq > self._compact_meta.seq:
+            if self._compact_meta is None:
+                self._compact_asked = self._now
+            # Computed now, while seq is (usually) the applied point: later
+            # it would mean replaying the dedup table from the old snapshot.
+            self._compact_meta = self._snapshot_meta_at(seq)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Compact as asked, unless we lead and a follower still lacks entries
+        the compaction would drop.  Compacting under a follower that is only
+        an Append behind (the normal state under load) would make it download
+        the whole snapshot; etcd keeps catch-up entries for the same reason.
+        The hold is bounded by `compact_hold_ms`, so a dead follower delays
+        compaction, never prevents it."""
+        meta = self._compact_meta
+        if meta is None:
+            return
+        if meta.seq <= self._snap_seq:
+            self._compact_meta = None  # a snapshot install went past it
+            return
+        lead = self._lead
+        if (lead is not None and self._now < self._compact_asked + self._cfg.compact_hold_ms
+                and any(pr.match < meta.seq for pr in lead.progress.values())):
+            return
+        self._compact_meta = None
+        del self._log[: meta.seq - self._snap_seq]
+        self._snap, self._snap_seq, self._snap_term = meta, meta.seq, meta.term
+        self._configs = [x for x in self._configs if x[0] > meta.seq]
         self._persist(snapshot=meta)
 
     def _on_snapshot_needed(self, m: SnapshotNeeded) -> None:
@@ -1463,6 +1492,8 @@ class Replica:
                     times.extend(r.deadline for r in reads)
                 if lead.transfer is not None:
                     times.append(lead.transfer.deadline)
+                if self._compact_meta is not None:
+                    times.append(self._compact_asked + self._cfg.compact_hold_ms)
         times.extend(r.deadline for r in self._follower_reads)
         return min(times) if times else None
 
@@ -1481,6 +1512,7 @@ class Replica:
             self._complete_writes()
             self._check_transfer()
         self._serve_reads()
+        self._maybe_compact()
         self._record_commit()
         at = self._next_wakeup()
         if at is not None and at != self._timer_at:

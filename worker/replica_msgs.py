@@ -115,6 +115,9 @@ class ReplicaConfig:
     snapshot_retry_ms: int = 5000
     # `promote` is refused while the learner is further behind than this.
     promote_max_lag: int = 64
+    # How long a leader may hold a compaction back for a follower that still
+    # needs the entries (it would otherwise have to download a snapshot).
+    compact_hold_ms: int = 5000
 
 
 # --------------------------------------------------------------------------

@@ -980,7 +980,10 @@ class Sim:
         node = self.nodes[self.rng.choice(self.names)]
         r = node.replica
         if r is not None and r.applied_seq > r.snapshot_seq:
+            before = r.snapshot_seq
             self.deliver(node, Compact(self.rng.randint(r.snapshot_seq + 1, r.applied_seq)))
+            if node.replica is r and r.snapshot_seq == before and leads(r):
+                self.stats["compact_held"] += 1  # a follower still needs those entries
 
     def transfer(self) -> None:
         if self.m_leader is None:

@@ -59,5 +59,6 @@ def test_runs_exercise_the_protocol() -> None:
         "write_quorum_timeout",
         "write_batches",
         "ops_entries_committed",
+        "compact_held",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

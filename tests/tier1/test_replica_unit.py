@@ -726,9 +726,15 @@ def test_compact_then_lagging_follower_gets_snapshot() -> None:
         net.run()
     a = net.r["a"]
     net.do("a", Compact(a.applied_seq))
+    # c still needs those entries: held back, but only for compact_hold_ms
+    assert a.snapshot_seq == 0
+    net.tick(CFG.compact_hold_ms - 1)
+    assert a.snapshot_seq == 0
+    net.tick(1)
+    net.run()
     assert a.snapshot_seq == 5 and a.entries(1, 5) == []
     net.drop = lambda m: False
-    net.tick(CFG.retry_ms)
+    net.tick(CFG.snapshot_retry_ms)
     net.run()
     need = [m for m in net.sent(SnapshotNeeded) if m.dst == "c"]
     assert need and net.of("c", DownloadSnapshot)
@@ -742,6 +748,44 @@ def test_compact_then_lagging_follower_gets_snapshot() -> None:
     net.run()
     out = net.do("c", ClientWrite("again", 0, rid="r0"))
     assert out[0] == Reply("again", True, 2, 2, None, "c")
+
+
+def test_leader_holds_compaction_until_a_slow_follower_has_the_entries() -> None:
+    # Under load a follower is normally an Append or two behind; compacting
+    # under it would cost it a whole snapshot download.
+    net = ready_net()
+    a = net.r["a"]
+    net.do("a", ClientWrite("w0", 0, rid="r0"))
+    net.run()
+    net.drop = lambda m: m.dst == "c" or m.src == "c"
+    for i in range(1, 4):
+        net.do("a", ClientWrite(f"w{i}", i, rid=f"r{i}"))
+        net.run()
+    assert a.applied_seq == 5
+    net.do("a", Compact(a.applied_seq))
+    assert a.snapshot_seq == 0 and not [e for e in net.of("a", Persist) if e.snapshot]
+    # b and c are followers: they compact at once, whoever lags
+    net.do("b", Compact(net.r["b"].applied_seq))
+    assert net.r["b"].snapshot_seq == net.r["b"].applied_seq
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.r["c"].last_seq == 5
+    assert a.snapshot_seq == 5 and a.entries(1, 5) == []
+    assert not net.sent(SnapshotNeeded) and not net.of("c", DownloadSnapshot)
+    # a second Compact while one is held replaces it (one Persist, at the newer seq)
+    net.drop = lambda m: m.dst == "c" or m.src == "c"
+    net.do("a", ClientWrite("w4", 4, rid="r4"))
+    net.run()
+    net.do("a", Compact(6))
+    net.do("a", ClientWrite("w5", 5, rid="r5"))
+    net.run()
+    net.do("a", Compact(7))
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    snaps = [e.snapshot.seq for e in net.of("a", Persist) if e.snapshot]
+    assert snaps == [5, 7] and not net.sent(SnapshotNeeded)
 
 
 def test_restart_applies_stored_commit_once() -> None:
