@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -175,6 +175,7 @@ class GroupShell:
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
+        self._plugin_writes: dict[int, Future[None]] = {}  # seq -> its writer on the persist thread
         self._last_snapshot_seq = 0
         self._since_snapshot = 0  # writes applied since the last snapshot (or since this process started)
         self._timer: asyncio.TimerHandle | None = None
@@ -233,6 +234,9 @@ class GroupShell:
         self._last_snapshot_seq = hs.snap_seq
         if self.snap_dir.exists():
             prune_snapshots(self.snap_dir, hs.snap_seq)
+            # Captures a previous run made and never installed (it died first).
+            for stray in self.snap_dir.glob(".plugin-*"):
+                shutil.rmtree(stray, ignore_errors=True)
         resync = marker.exists()
         stored = m.StoredState(term=hs.term, entries=[decode_entry(e.payload) for e in rec.entries],
                                snapshot=snapshot, commit=hs.commit, resync=resync)
@@ -393,9 +397,7 @@ class GroupShell:
         persists = [e for e in effects[first:] if isinstance(e, m.Persist)]
         if any(p.snapshot is not None for p in persists):
             # Writing a snapshot archive can take long: off the loop.
-            if self._persist_pool is None:
-                self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-persist")
-            await asyncio.wrap_future(self._persist_pool.submit(self._persist_all, persists))
+            await asyncio.wrap_future(self._pool().submit(self._persist_all, persists))
         else:
             # Appends and one fsync (~0.2 ms) inline: a hop to a thread
             # costs more CPU than that (futex hand-offs, GIL contention
@@ -408,6 +410,11 @@ class GroupShell:
             self._resync_marker = None
             self.log.info("resync_complete", last_seq=self.replica.last_seq)
         self._perform_in_order(effects[first:])
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._persist_pool is None:
+            self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-persist")
+        return self._persist_pool
 
     def _perform_in_order(self, effects: list[m.Effect]) -> None:
         """Every effect but Persists (the caller made those durable first)."""
@@ -457,10 +464,17 @@ class GroupShell:
         assert wal is not None
         tmp = self._plugin_snaps.pop(meta.seq, None)
         if tmp is not None:
+            # Done before the core heard of it; raises what the writer raised.
+            self._plugin_writes.pop(meta.seq).result()
             write_snapshot(self.snap_dir, meta, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
         elif snapshot_at(self.snap_dir, meta.seq) is None:
             raise RuntimeError(f"core installed snapshot {meta.seq} but no archive exists for it")
+        # A leader holding a compaction back may be asked again before it
+        # compacts; the earlier plugin snapshots are superseded.
+        for seq in [s for s in self._plugin_snaps if s < meta.seq]:
+            self._plugin_writes.pop(seq, None)
+            shutil.rmtree(self._plugin_snaps.pop(seq), ignore_errors=True)
         if meta.seq <= wal.last_seq and wal.term_at(meta.seq) == meta.term:
             wal.compact_through(meta.seq)
         else:
@@ -498,14 +512,22 @@ class GroupShell:
 
     def _snapshot_plugin(self, seq: int) -> None:
         # The plugin is exactly at `seq` now: entries after it are applied
-        # later in this same effect stream.
+        # later in this same effect stream. Only the capture runs here: the
+        # packing and fsyncs of a large state (~0.2 s per 100k items) would
+        # stall every group of this worker, so they go to the persist thread,
+        # and the group keeps applying meanwhile. The core hears of the
+        # snapshot once it is written; a writer's error surfaces where the
+        # Compact's Persist installs it (and fails the group, like any disk error).
         self.snap_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.snap_dir, prefix=f".plugin-{seq}-"))
-        self.plugin.snapshot(tmp)
+        writer = self.plugin.capture()
         self._plugin_snaps[seq] = tmp
+        written = self._pool().submit(writer, tmp)
+        self._plugin_writes[seq] = written
         self._last_snapshot_seq = seq
         self._since_snapshot = 0
-        self.deliver(m.Compact(seq))
+        loop = asyncio.get_running_loop()
+        written.add_done_callback(lambda f: f.cancelled() or loop.call_soon_threadsafe(self.deliver, m.Compact(seq)))
 
     def _reply(self, r: m.Reply) -> None:
         slot = self._batched.pop(r.req, None)

@@ -181,6 +181,44 @@ async def test_close_waits_for_a_snapshot_pass_running_in_its_thread(tmp_path: P
     await asyncio.gather(writes, return_exceptions=True)
 
 
+async def test_a_plugin_snapshot_is_written_off_the_loop_while_the_group_goes_on(tmp_path: Path) -> None:
+    # Packing and fsyncing a large state on the loop would stall every group
+    # of the worker; only the capture may run there.
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    loop_thread = threading.get_ident()
+    capture = g.plugin.capture
+    release = threading.Event()
+    writer_threads: list[int] = []
+
+    def slow_capture() -> Any:
+        write = capture()
+
+        def slow_write(d: Path) -> None:
+            writer_threads.append(threading.get_ident())
+            assert release.wait(10)
+            write(d)
+        return slow_write
+    g.plugin.capture = slow_capture  # type: ignore[method-assign]
+    try:
+        first = await g.write_many([(put(i), f"a{i}") for i in range(10)], "quorum", 5.0)
+        assert all(o.ok for o in first)
+        await _until(lambda: bool(writer_threads))
+        # the writer is stuck on "disk": writes still commit and apply
+        later = await g.write_many([(put(100 + i), f"b{i}") for i in range(3)], "quorum", 5.0)
+        assert all(o.ok for o in later)
+        assert g.latest_snapshot() is None and g.replica is not None and g.replica.snapshot_seq == 0
+        release.set()
+        await _until(lambda: g.latest_snapshot() is not None)
+        snap = g.latest_snapshot()
+        assert snap is not None and snap.seq == first[0].seq
+        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == snap.seq)
+        assert writer_threads[0] != loop_thread
+        assert not list(g.snap_dir.glob(".plugin-*"))  # the capture's files went into the archive
+    finally:
+        release.set()
+        await g.close()
+
+
 async def test_a_read_cut_off_by_shutdown_changed_nothing(tmp_path: Path) -> None:
     trail: list[str] = []
     g, peers = await _three_voter_leader(tmp_path, trail)

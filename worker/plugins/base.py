@@ -25,8 +25,10 @@ The contract, which every implementation must keep:
   (types, dimension). So a limit changed on one worker cannot make replicas
   diverge: an op admitted by some leader is applied by everyone.
 * **Single-threaded.** No method may be called concurrently with another on
-  the same instance. `query` and `snapshot` see the state after the last
-  `apply` that returned.
+  the same instance. `query`, `snapshot` and `capture` see the state after
+  the last `apply` that returned. The writer `capture` returns is the one
+  exception: it runs on another thread while `apply` goes on, so it must
+  only touch what `capture` copied.
 * **Results are plain data**: None, bool, int (int64 range), finite float,
   str, list, dict with str keys -- encodable by both msgpack and orjson.
 * **Ops are plain data** too: a dict with a "kind" key, straight from the
@@ -112,6 +114,9 @@ class PluginSettings:
                 raise ValueError(f"PluginSettings.{name} must be a positive int, got {value!r}")
 
 
+SnapshotWriter = Callable[[Path], None]
+
+
 @runtime_checkable
 class Plugin(Protocol):
     """A shard group's deterministic state machine. See the module docstring."""
@@ -147,6 +152,17 @@ class Plugin(Protocol):
         Plugin file names never start with "_": the caller may add its own
         `_*` files (e.g. the applied seq/term) to the same directory. Two
         replicas that applied the same ops must write byte-identical files.
+        """
+        ...
+
+    def capture(self) -> "SnapshotWriter":
+        """Freeze the current state and return a function that writes it as
+        `snapshot` would.
+
+        `capture` runs on the event loop and should only copy (references to
+        immutable values where it can); the writer does the packing and the
+        I/O on another thread, so that a large state does not stall the
+        worker's other groups.
         """
         ...
 

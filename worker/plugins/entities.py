@@ -81,7 +81,7 @@ import orjson
 import xxhash
 
 from shardgrid.ids import id_problem
-from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError
+from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter
 
 FORMAT = "shardgrid.entities"
 FORMAT_VERSION = 1
@@ -541,30 +541,43 @@ class EntitiesPlugin:
     # -- snapshots
 
     def snapshot(self, dir: Path) -> None:
+        self.capture()(dir)
+
+    def capture(self) -> SnapshotWriter:
+        # Copies, not views: the writer runs on another thread while apply
+        # goes on. dict.copy is a table copy (values are immutable bytes and
+        # numbers); building the lists and packing happen in the writer.
         s = self._state
         m = s.matrix
         used = m.rows * m.row_bytes
-        raw = memoryview(m.raw)[:used]
-        unit = memoryview(m.unit)[:used]
-        header = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "embedding_dim": m.dim,
-            "items": list(s.items.items()),
-            "signals": [[e, list(sig.counters.items()), list(sig.last.items())] for e, sig in s.signals.items()],
-            "embeddings": {
-                "rows": m.rows,
-                "dtype": "<f4",
-                "ids": m.id_of_row,
-                "free": m.free,
-                "raw_xxh3_128": xxhash.xxh3_128_hexdigest(raw),
-                "unit_xxh3_128": xxhash.xxh3_128_hexdigest(unit),
-            },
-        }
-        dir = Path(dir)
-        _write_durably(dir / STATE_FILE, msgpack.packb(header, use_bin_type=True))
-        _write_durably(dir / RAW_FILE, raw)
-        _write_durably(dir / UNIT_FILE, unit)
+        raw = bytes(memoryview(m.raw)[:used])
+        unit = bytes(memoryview(m.unit)[:used])
+        items = s.items.copy()
+        signals = [(e, sig.counters.copy(), sig.last.copy()) for e, sig in s.signals.items()]
+        rows, ids, free = m.rows, list(m.id_of_row), list(m.free)
+
+        def write(dir: Path) -> None:
+            header = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "embedding_dim": m.dim,
+                "items": list(items.items()),
+                "signals": [[e, list(counters.items()), list(last.items())] for e, counters, last in signals],
+                "embeddings": {
+                    "rows": rows,
+                    "dtype": "<f4",
+                    "ids": ids,
+                    "free": free,
+                    "raw_xxh3_128": xxhash.xxh3_128_hexdigest(raw),
+                    "unit_xxh3_128": xxhash.xxh3_128_hexdigest(unit),
+                },
+            }
+            dir = Path(dir)
+            _write_durably(dir / STATE_FILE, msgpack.packb(header, use_bin_type=True))
+            _write_durably(dir / RAW_FILE, raw)
+            _write_durably(dir / UNIT_FILE, unit)
+
+        return write
 
     def restore(self, dir: Path) -> None:
         dir = Path(dir)
