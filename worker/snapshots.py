@@ -29,6 +29,7 @@ from worker.replica_msgs import SnapshotMeta
 MAGIC = b"SGSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
 _CHUNK = 1 << 20
+_SYNC_EVERY = 4 << 20
 
 
 class SnapshotCorrupt(Exception):
@@ -86,11 +87,20 @@ def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path) -> Sn
         for chunk in (MAGIC, _HEADER_LEN.pack(len(header)), header):
             out.write(chunk)
             h.update(chunk)
+        unsynced = 0
         for n in names:
             with open(plugin_files / n, "rb") as src:
                 while chunk := src.read(_CHUNK):
                     out.write(chunk)
                     h.update(chunk)
+                    unsynced += len(chunk)
+                    if unsynced >= _SYNC_EVERY:
+                        # Flushed a few MB at a time: one fsync of tens of MB
+                        # holds the disk (and, on ext4, the journal) long
+                        # enough to stall every WAL fsync of the machine.
+                        out.flush()
+                        os.fdatasync(out.fileno())
+                        unsynced = 0
         out.flush()
         os.fsync(out.fileno())
     digest = h.hexdigest()

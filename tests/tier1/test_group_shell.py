@@ -11,7 +11,7 @@ import pytest
 import structlog
 
 from worker import replica_msgs as m
-from worker.group import GroupSettings, GroupShell
+from worker.group import GroupSettings, GroupShell, _snapshot_interval
 from worker.plugins.base import BadOp, load_plugin
 
 
@@ -217,6 +217,16 @@ async def test_a_plugin_snapshot_is_written_off_the_loop_while_the_group_goes_on
     finally:
         release.set()
         await g.close()
+
+
+def test_replicas_spread_their_snapshots_over_the_last_quarter_of_the_interval() -> None:
+    # Replicas under the same load must not all write their snapshots at once.
+    every = 100_000
+    points = {(w, g): _snapshot_interval(every, w, g) for w in ("w1", "w2", "w3") for g in range(3)}
+    assert all(every * 3 // 4 <= p <= every for p in points.values())
+    assert points == {(w, g): _snapshot_interval(every, w, g) for w, g in points}  # stable across restarts
+    assert len(set(points.values())) == len(points) and max(points.values()) - min(points.values()) > every // 10
+    assert _snapshot_interval(1, "w1", 0) == 1
 
 
 async def test_a_read_cut_off_by_shutdown_changed_nothing(tmp_path: Path) -> None:

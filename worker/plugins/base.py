@@ -147,8 +147,9 @@ class Plugin(Protocol):
     def snapshot(self, dir: Path) -> None:
         """Write the full state as files into `dir`, which exists and is empty.
 
-        The plugin writes and fsyncs its files; the caller fsyncs the directory
-        and renames it into place, which is what makes the snapshot atomic.
+        The plugin only writes its files; making them durable and atomic is
+        the caller's job (worker/snapshots.py packs them into one archive and
+        fsyncs that), so the plugin's own fsyncs would only write it twice.
         Plugin file names never start with "_": the caller may add its own
         `_*` files (e.g. the applied seq/term) to the same directory. Two
         replicas that applied the same ops must write byte-identical files.

@@ -68,7 +68,6 @@ replica computes exactly what the original would.
 from __future__ import annotations
 
 import math
-import os
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -573,9 +572,9 @@ class EntitiesPlugin:
                 },
             }
             dir = Path(dir)
-            _write_durably(dir / STATE_FILE, msgpack.packb(header, use_bin_type=True))
-            _write_durably(dir / RAW_FILE, raw)
-            _write_durably(dir / UNIT_FILE, unit)
+            _write_new(dir / STATE_FILE, msgpack.packb(header, use_bin_type=True))
+            _write_new(dir / RAW_FILE, raw)
+            _write_new(dir / UNIT_FILE, unit)
 
         return write
 
@@ -640,8 +639,7 @@ class EntitiesPlugin:
         return state
 
 
-def _write_durably(path: Path, data: bytes | memoryview) -> None:
+def _write_new(path: Path, data: bytes | memoryview) -> None:
+    # No fsync: the caller makes the snapshot durable (base.Plugin.snapshot).
     with open(path, "xb") as f:  # "x": the caller promised an empty dir
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
