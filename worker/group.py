@@ -19,10 +19,10 @@ That honours the core's durability contract (no effect is performed before
 every earlier Persist is durable): effects are only ever delayed, never
 reordered ahead of a Persist.
 
-Snapshots: after applying entry S with (a per-replica 3/4 to all of)
-`snapshot_every` writes since the last snapshot, the plugin captures its
-state at exactly S and writes it into a temp dir on the persist thread; then
-`Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
+Snapshots: the core asks for one (TakeSnapshot(S)) after the entry S that
+completes (a per-replica 3/4 to all of) `snapshot_every` client writes; the
+plugin captures its state at exactly S and writes it into a temp dir on the
+persist thread; then `Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
 and only then the archive (plugin files + meta) is written and the WAL
 compacted. A follower told to download a snapshot fetches it by HTTP range
 requests (resumable), verifies its xxh3-128, renames it into place, restores
@@ -191,7 +191,7 @@ class GroupShell:
         self._plugin_snaps: dict[int, Path] = {}
         self._plugin_writes: dict[int, Future[None]] = {}  # seq -> its writer on the persist thread
         self._last_snapshot_seq = 0
-        self._since_snapshot = 0  # writes applied since the last snapshot (or since this process started)
+        # The core counts client writes and asks for snapshots (TakeSnapshot).
         self._snapshot_after = _snapshot_interval(settings.snapshot_every, node_id, gid)
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -259,7 +259,8 @@ class GroupShell:
         self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
                                m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
-                                               snapshot_retry_ms=SNAPSHOT_RETRY_MS), stored)
+                                               snapshot_retry_ms=SNAPSHOT_RETRY_MS,
+                                               snapshot_every=self._snapshot_after), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
@@ -454,6 +455,8 @@ class GroupShell:
                 self.hooks.refresh_meta()
             elif isinstance(eff, m.DownloadSnapshot):
                 self._start_download(eff)
+            elif isinstance(eff, m.TakeSnapshot):
+                self._snapshot_plugin(eff.seq)
 
     # -- persistence ------------------------------------------------
 
@@ -513,11 +516,6 @@ class GroupShell:
                     self._results_held += _weight(result)
                     while self._results_held > RESULT_CACHE and self._results:
                         self._results_held -= _weight(self._results.popitem(last=False)[1])
-            # Counted in client writes, so that "ops" entries (up to a
-            # thousand writes each) do not stretch the interval.
-            self._since_snapshot += len(e.data) if e.kind == "ops" else 1
-            if self._since_snapshot >= self._snapshot_after and e.seq not in self._plugin_snaps:
-                self._snapshot_plugin(e.seq)
 
     def _apply_one(self, op: Any, ctx: ApplyContext) -> Any:
         try:
@@ -540,7 +538,6 @@ class GroupShell:
         written = self._pool().submit(writer, tmp)
         self._plugin_writes[seq] = written
         self._last_snapshot_seq = seq
-        self._since_snapshot = 0
         loop = asyncio.get_running_loop()
         written.add_done_callback(lambda f: f.cancelled() or loop.call_soon_threadsafe(self.deliver, m.Compact(seq)))
 

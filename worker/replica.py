@@ -76,8 +76,14 @@ entry of the leader's term commits before any config change).
 
 Snapshots
 ---------
+With `snapshot_every` set, the core picks snapshot points itself: it ends an
+Apply at the entry that completes that many client writes and asks for
+`TakeSnapshot(seq)`, keeping the SnapshotMeta as of seq (cheap then, a
+replay of the dedup table later).  The shell snapshots the plugin and
+answers `Compact(seq)`; it may also send Compact at any applied seq.
 `Compact(seq)` drops the log up to seq, keeping a SnapshotMeta (term, seq,
-dedup table, config).  A follower whose next entry the leader no longer has
+dedup table, config); a leader holds it back, for at most compact_hold_ms,
+while a follower still lacks entries it would drop.  A follower whose next entry the leader no longer has
 gets SnapshotNeeded; it emits DownloadSnapshot, and the shell answers with
 SnapshotInstalled once the plugin has been restored.
 """
@@ -131,6 +137,7 @@ from worker.replica_msgs import (
     SnapshotNeeded,
     StaleTerm,
     StoredState,
+    TakeSnapshot,
     Tick,
     TransferLeader,
     TransferReady,
@@ -270,6 +277,10 @@ class Replica:
         # entries it would drop (see _on_compact).
         self._compact_meta: SnapshotMeta | None = None
         self._compact_asked = 0
+        # The SnapshotMeta of the last TakeSnapshot point, made while the
+        # dedup table was exactly there (rebuilding it later costs a replay).
+        self._prepared: SnapshotMeta | None = None
+        self._since_snapshot = 0  # client writes applied since the last TakeSnapshot
         self._now = 0
         self._out: list[Effect] = []
 
@@ -998,8 +1009,11 @@ class Replica:
     # ------------------------------------------------------------------
     # Snapshots
 
-    def _snapshot_meta_at(self, seq: int) -> SnapshotMeta:
-        if seq == self._applied:
+    def _snapshot_meta_at(self, seq: int, exact: DedupTable | None = None) -> SnapshotMeta:
+        """The SnapshotMeta as of `seq`; `exact` is a dedup table known to be at `seq`."""
+        if exact is not None:
+            dedup = exact
+        elif seq == self._applied:
             dedup = self._dedup
         else:
             # The table as of `seq`: replay from the previous snapshot, so
@@ -1030,9 +1044,10 @@ class Replica:
         if self._compact_meta is None or seq > self._compact_meta.seq:
             if self._compact_meta is None:
                 self._compact_asked = self._now
-            # Computed now, while seq is (usually) the applied point: later
-            # it would mean replaying the dedup table from the old snapshot.
-            self._compact_meta = self._snapshot_meta_at(seq)
+            prepared, self._prepared = self._prepared, None
+            # Computed now, not when the compaction happens: by then the
+            # dedup table would have to be replayed from the old snapshot.
+            self._compact_meta = prepared if prepared is not None and prepared.seq == seq else self._snapshot_meta_at(seq)
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
@@ -1525,14 +1540,25 @@ class Replica:
         base = self._snap_seq + 1
         batch = tuple(self._log[self._applied + 1 - base : self._commit + 1 - base])
         pending = self._pending_rids
-        for e in batch:
+        every = self._cfg.snapshot_every
+        start = 0
+        for i, e in enumerate(batch):
             self._dedup.apply(e)
             if e.rid is not None:
                 for rid in entry_rids(e):
                     if pending.get(rid) == e.seq:
                         del pending[rid]
+            if every and (e.kind == "op" or e.kind == "ops"):
+                self._since_snapshot += len(e.data) if e.kind == "ops" else 1
+                if self._since_snapshot >= every:
+                    self._since_snapshot = 0
+                    self._out.append(Apply(batch[start : i + 1]))
+                    start = i + 1
+                    self._prepared = self._snapshot_meta_at(e.seq, exact=self._dedup)
+                    self._out.append(TakeSnapshot(e.seq))
         self._applied = self._commit
-        self._out.append(Apply(batch))
+        if start < len(batch):
+            self._out.append(Apply(batch[start:]))
 
     def _record_commit(self) -> None:
         """Piggyback the commit index on this call's last Persist, if any;

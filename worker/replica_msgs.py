@@ -118,6 +118,9 @@ class ReplicaConfig:
     # How long a leader may hold a compaction back for a follower that still
     # needs the entries (it would otherwise have to download a snapshot).
     compact_hold_ms: int = 5000
+    # Client writes between snapshot points (TakeSnapshot); 0: none, the
+    # shell sends Compact at seqs of its choosing.
+    snapshot_every: int = 0
 
 
 # --------------------------------------------------------------------------
@@ -366,6 +369,16 @@ class SetTimer:
 
 
 @dataclass(slots=True, frozen=True)
+class TakeSnapshot:
+    """The Apply just before this effect ends at `seq`: snapshot the plugin
+    now, before applying anything else, and deliver Compact(seq) once the
+    snapshot is written.  The core has kept its own state as of `seq`, so
+    that Compact costs it nothing."""
+
+    seq: int
+
+
+@dataclass(slots=True, frozen=True)
 class DownloadSnapshot:
     """Fetch `source`'s current snapshot (seq >= `seq`), restore the plugin
     from it and deliver SnapshotInstalled.  The shell should drop duplicate
@@ -378,4 +391,5 @@ class DownloadSnapshot:
 
 Effect: TypeAlias = (
     Persist | Send | Apply | Reply | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer | DownloadSnapshot
+    | TakeSnapshot
 )

@@ -91,6 +91,7 @@ from worker.replica_msgs import (
     SnapshotInstalled,
     SnapshotMeta,
     StoredState,
+    TakeSnapshot,
     Tick,
     TransferLeader,
     TransferReady,
@@ -275,6 +276,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             transfer_timeout_ms=500,
             snapshot_retry_ms=400,
             promote_max_lag=rng.choice((2, 64)),
+            snapshot_every=rng.choice((0, 3, 10)),
         ),
     )
 
@@ -452,6 +454,11 @@ class Sim:
                 self.send_view(node, self.rng.randint(1, 20))
             elif t is DownloadSnapshot:
                 self.at(self.now + self.rng.randint(2, 40), self.snapshot_done, (node, node.inc, eff.source))
+            elif t is TakeSnapshot:
+                if eff.seq != node.applied:
+                    self.fail(f"{node.name} asked for a snapshot at {eff.seq} with the plugin at {node.applied}")
+                # The plugin's snapshot is written off the loop: Compact comes later.
+                self.at(self.now + self.rng.randint(1, 30), self.snapshot_written, (node, node.inc, eff.seq))
             else:
                 self.fail(f"unknown effect {eff}")
         if crash_at == len(out):
@@ -924,6 +931,12 @@ class Sim:
         if s.at_seq < op.min_seq:
             kind = "stale strong read" if op.consistency == "strong" else "follower read below min_seq"
             self.fail(f"{kind}: {node.name} served at {s.at_seq}, needed {op.min_seq}")
+
+    def snapshot_written(self, arg: tuple[Node, int, int]) -> None:
+        node, inc, seq = arg
+        if node.inc == inc and node.replica is not None:
+            self.stats["snapshot_taken"] += 1
+            self.deliver(node, Compact(seq))
 
     def snapshot_done(self, arg: tuple[Node, int, str]) -> None:
         node, inc, source = arg

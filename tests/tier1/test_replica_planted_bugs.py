@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from tests.tier1.replica_sim import SimViolation, run_seed
+from worker.dedup import DedupTable
 from worker.replica import Replica
 from worker.replica_msgs import Message, Persist, Send, SnapshotMeta
 
@@ -48,8 +49,8 @@ class ForgetsDedupInSnapshots(Replica):
     """Compaction drops the request-id table: a write retried at a replica
     restored from a snapshot is appended a second time."""
 
-    def _snapshot_meta_at(self, seq: int) -> SnapshotMeta:
-        return dataclasses.replace(super()._snapshot_meta_at(seq), dedup=())
+    def _snapshot_meta_at(self, seq: int, exact: DedupTable | None = None) -> SnapshotMeta:
+        return dataclasses.replace(super()._snapshot_meta_at(seq, exact), dedup=())
 
 
 def first_failure(cls: type[Replica]) -> tuple[int, str] | None:

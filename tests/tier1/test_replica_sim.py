@@ -60,5 +60,6 @@ def test_runs_exercise_the_protocol() -> None:
         "write_batches",
         "ops_entries_committed",
         "compact_held",
+        "snapshot_taken",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

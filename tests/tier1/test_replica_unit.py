@@ -42,6 +42,7 @@ from worker.replica_msgs import (
     SnapshotNeeded,
     StaleTerm,
     StoredState,
+    TakeSnapshot,
     Tick,
     TransferLeader,
     TransferReady,
@@ -786,6 +787,35 @@ def test_leader_holds_compaction_until_a_slow_follower_has_the_entries() -> None
     net.run()
     snaps = [e.snapshot.seq for e in net.of("a", Persist) if e.snapshot]
     assert snaps == [5, 7] and not net.sent(SnapshotNeeded)
+
+
+def test_the_core_picks_snapshot_points_and_keeps_their_meta() -> None:
+    # Every 3 client writes: the Apply ends at the point, TakeSnapshot follows,
+    # and the Compact that answers it uses the meta made then (no replay).
+    cfg = ReplicaConfig(snapshot_every=3, dedup_max=4)
+    net = ready_net(cfg=cfg)
+    a = net.r["a"]
+    net.drop = lambda m: m.src != "a"  # nothing commits until the replies flow again
+    for i in range(3):
+        net.do("a", ClientWriteMany((f"m{i}a", f"m{i}b"), ("x", "y"), "quorum", (f"r{i}a", f"r{i}b")))
+        net.run()
+        net.now += 7  # distinct entry timestamps
+    before = len(net.effects["a"])
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    effs = [e for e in net.effects["a"][before:] if isinstance(e, (Apply, TakeSnapshot))]
+    # 2 + 2 writes reach 3 at seq 3 (counted in writes, not entries); the
+    # last entry's 2 writes are short of the next point
+    assert [[x.seq for x in e.entries] if isinstance(e, Apply) else e.seq for e in effs] == [[2, 3], 3, [4]]
+    net.tick(cfg.heartbeat_ms)  # the followers learn the commit
+    net.run()
+    assert net.of("b", TakeSnapshot) == [TakeSnapshot(3)]
+    assert a.applied_seq == 4
+    replayed = a._snapshot_meta_at(3)  # the slow way: from the start, dedup expiry included
+    net.do("a", Compact(3))
+    meta = [e for e in net.of("a", Persist) if e.snapshot][-1].snapshot
+    assert meta == replayed and meta.seq == 3 and len(meta.dedup) == 4
 
 
 def test_restart_applies_stored_commit_once() -> None:
