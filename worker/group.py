@@ -40,7 +40,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import aiohttp
 import xxhash
@@ -180,6 +180,8 @@ class GroupShell:
         self.hooks = hooks
         self.log = log.bind(group=gid)
         self.snap_dir = root / "snapshots"
+        # Told how long each WAL fdatasync took (the worker's histogram).
+        self.on_sync: Callable[[float], None] | None = None
         self.wal: Wal | None = None
         self.replica: Replica | None = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -474,7 +476,9 @@ class GroupShell:
                 wal.append([(e.term, e.seq, encode_entry(e)) for e in p.entries])
             if p.commit is not None:
                 wal.set_hard_state(commit=p.commit)
-        wal.sync()
+        t0 = time.perf_counter()
+        if wal.sync() and self.on_sync is not None:
+            self.on_sync(time.perf_counter() - t0)
 
     def _install_snapshot_point(self, meta: m.SnapshotMeta) -> None:
         """Make the archive for `meta` durable, then move the WAL's start to it."""

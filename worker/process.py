@@ -17,7 +17,7 @@ from typing import Any
 
 import uvloop
 from aiohttp import web
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.gctune import start_gc_policy
@@ -62,6 +62,10 @@ class WorkerNode:
                               ("in_flight", "client requests waiting"),
                               ("write_latency_p99_ms", "p99 of recent acknowledged writes (ms)"))
         }
+        # Disk stalls show here first: every write of every group waits on these.
+        self._wal_sync = Histogram("shardgrid_wal_sync_seconds", "WAL fdatasync duration, all groups of this worker",
+                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+                                   registry=reg)
         self.groups: dict[int, GroupShell] = {}
         self.corrupt: dict[int, str] = {}
         self.view: dict[str, Any] | None = None
@@ -166,6 +170,7 @@ class WorkerNode:
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"])),
                            self.transport, self, self.log)
+        shell.on_sync = self._wal_sync.observe
         try:
             shell.open()
         except GroupCorrupt as exc:

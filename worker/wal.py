@@ -894,12 +894,16 @@ class Wal:
         return self._new_segment(first_seq)
 
     @_guarded
-    def sync(self) -> None:
-        """Make every appended entry durable: one fdatasync (nothing in `none` mode)."""
+    def sync(self) -> bool:
+        """Make every appended entry durable: one fdatasync (nothing in `none` mode).
+        True when it called fdatasync."""
+        synced = False
         if self._dirty and self._fd is not None:
             if self._sync_on:
                 os.fdatasync(self._fd)
+                synced = True
             self._dirty = False
+        return synced
 
     @_guarded
     def set_hard_state(self, term: int | None = None, commit: int | None = None) -> None:

@@ -78,6 +78,14 @@ async def test_writes_submitted_together_share_an_entry_and_get_their_own_result
     assert shell.replica is not None and shell.replica.last_seq == out[0].seq
 
 
+async def test_each_wal_fsync_is_reported_with_its_duration(shell: GroupShell) -> None:
+    # The worker's shardgrid_wal_sync_seconds histogram: where disk stalls show.
+    seen: list[float] = []
+    shell.on_sync = seen.append
+    out = await shell.write_many([(put(1), "s1")], "quorum", 5.0)
+    assert out[0].ok and seen and all(0 <= d < 5 for d in seen)
+
+
 async def test_snapshot_interval_counts_writes_not_entries(shell: GroupShell) -> None:
     for b in range(2):
         out = await shell.write_many([(put(b * 30 + i), f"s{b}-{i}") for i in range(30)], "quorum", 5.0)
