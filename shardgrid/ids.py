@@ -13,10 +13,13 @@ def id_problem(value: Any, where: str, max_bytes: int | None, type_name: Callabl
         return f"{where} must be a string, got {type_name(value)}"
     if not value:
         return f"{where} must not be empty"
-    try:
-        n = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        return f"{where} is not valid Unicode text (lone surrogate)"
+    if value.isascii():
+        n = len(value)  # one byte per character, and nothing to fail to encode
+    else:
+        try:
+            n = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"{where} is not valid Unicode text (lone surrogate)"
     if max_bytes is not None and n > max_bytes:
         return f"{where} is {n} bytes of UTF-8; the limit is {max_bytes}"
     return None

@@ -112,6 +112,10 @@ _QUERIES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "search": ("vector", "k"),
 })
 _SIGNAL_MODES = ("incr", "set")
+# The exact key set of each op and query ("kind" included): one C-level set
+# comparison admits a well-formed op; only a bad one pays for the diagnosis.
+_EXACT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {kind: frozenset(("kind",) + keys) for kind, keys in (*_OPS.items(), *_QUERIES.items())})
 
 
 # ---------------------------------------------------------------- parsed ops
@@ -172,6 +176,8 @@ def _check_shape(obj: Any, table: Mapping[str, tuple[str, ...]], other: Mapping[
     kind = obj.get("kind")
     if not isinstance(kind, str):
         raise BadOp(f"{what} needs a string 'kind'; got {_tname(kind)}")
+    if kind in table and obj.keys() == _EXACT_KEYS[kind]:
+        return kind
     if kind not in table:
         if kind in other:
             raise BadOp(f"{_short(kind)} is a {other_what}, not a {what}")
