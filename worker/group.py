@@ -388,7 +388,12 @@ class GroupShell:
                 effects: list[m.Effect] = []
                 for ev in batch:
                     if isinstance(ev, _Restore):
-                        effects.extend(self._restore_downloaded(ev.snap, now))
+                        # The plugin must be where the core thinks it is when
+                        # it is replaced: an Apply of an earlier event in this
+                        # pass, performed after the restore, would land on top
+                        # of the snapshot's state (a divergence).
+                        await self._perform(effects)
+                        effects = self._restore_downloaded(ev.snap, now)
                     else:
                         effects.extend(self.replica.handle(ev, now))
                 await self._perform(effects)

@@ -11,8 +11,9 @@ import pytest
 import structlog
 
 from worker import replica_msgs as m
-from worker.group import GroupSettings, GroupShell, _snapshot_interval
-from worker.plugins.base import BadOp, load_plugin
+from worker.group import GroupSettings, GroupShell, _Restore, _snapshot_interval
+from worker.plugins.base import ApplyContext, BadOp, load_plugin
+from worker.snapshots import write_snapshot
 
 
 class _NoPeers:
@@ -225,6 +226,48 @@ async def test_a_plugin_snapshot_is_written_off_the_loop_while_the_group_goes_on
     finally:
         release.set()
         await g.close()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+async def test_a_downloaded_snapshot_replaces_the_state_after_what_the_pass_applied_before_it(tmp_path: Path) -> None:
+    # Follower b holds 1..3 with commit 1. A heartbeat committing 3 and the
+    # restore of the leader's snapshot at 4 land in one pass: the Apply of 2..3
+    # must not be performed on top of the restored state (a divergence).
+    def incr() -> dict[str, Any]:
+        return {"kind": "signal", "entity": "e1", "name": "c", "value": 1, "mode": "incr"}
+    peers = _Sink()
+    b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), GroupSettings(fsync="batch"),
+                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    b.open()
+    b.start()
+    try:
+        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+        entries = (m.Entry(1, 1, "term_start", None, None, 1),) + tuple(
+            m.Entry(1, s, "op", incr(), f"r{s}", 1) for s in (2, 3))
+        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
+        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=entries, commit=1))
+        await _until(lambda: any(isinstance(x, m.AppendReply) for x in peers.sent))
+        leader = load_plugin("entities")
+        for s in (2, 3, 4):
+            leader.apply(incr(), ApplyContext(s, 1, 1))
+        files = tmp_path / "files"
+        files.mkdir()
+        leader.snapshot(files)
+        snap = write_snapshot(b.snap_dir, m.SnapshotMeta(term=1, seq=4, ts=1), files)
+        b.deliver(m.Heartbeat(**env, commit=3, round=0))
+        b.deliver(_Restore(snap))
+        await _until(lambda: b.replica is not None and b.replica.applied_seq == 4)
+        assert b.plugin.query({"kind": "get_signals", "entity": "e1"})["counters"] == {"c": 3}
+        assert b.failed is None
+    finally:
+        await b.close()
 
 
 def test_replicas_spread_their_snapshots_over_the_last_quarter_of_the_interval() -> None:
