@@ -21,8 +21,8 @@ reordered ahead of a Persist.
 
 Snapshots: the core asks for one (TakeSnapshot(S)) after the entry S that
 completes (a per-replica 3/4 to all of) `snapshot_every` client writes; the
-plugin captures its state at exactly S and writes it into a temp dir on the
-persist thread; then `Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
+plugin captures its state at exactly S and a thread of its own writes it into
+a temp dir (one capture at a time); then `Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
 and only then the archive (plugin files + meta) is written and the WAL
 compacted. A follower told to download a snapshot fetches it by HTTP range
 requests (resumable), verifies its xxh3-128, renames it into place, restores
@@ -191,7 +191,7 @@ class GroupShell:
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
-        self._plugin_writes: dict[int, Future[None]] = {}  # seq -> its writer on the persist thread
+        self._plugin_writes: dict[int, Future[None]] = {}  # seq -> its writer, until installed or failed
         self._last_snapshot_seq = 0
         # The core counts client writes and asks for snapshots (TakeSnapshot).
         self._snapshot_after = _snapshot_interval(settings.snapshot_every, node_id, gid)
@@ -201,6 +201,7 @@ class GroupShell:
         # The thread that writes snapshot passes. Cancelling the loop does not
         # stop a pass it is running, and the WAL must not be closed under it.
         self._persist_pool: ThreadPoolExecutor | None = None
+        self._writer_pool: ThreadPoolExecutor | None = None  # plugin snapshot writers
         self._session: aiohttp.ClientSession | None = None
         self.failed: str | None = None
         self.latency = _LatencyStats()
@@ -277,9 +278,10 @@ class GroupShell:
                     await task
                 except asyncio.CancelledError:
                     pass
-        if self._persist_pool is not None:
-            # Drops a pass still queued, waits for one that is running.
-            await asyncio.to_thread(self._persist_pool.shutdown, wait=True, cancel_futures=True)
+        for pool in (self._persist_pool, self._writer_pool):
+            if pool is not None:
+                # Drops a job still queued, waits for one that is running.
+                await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
         if self._timer is not None:
             self._timer.cancel()
         self._fail_all("worker shutting down")
@@ -491,7 +493,7 @@ class GroupShell:
         assert wal is not None
         tmp = self._plugin_snaps.pop(meta.seq, None)
         if tmp is not None:
-            # Done before the core heard of it; raises what the writer raised.
+            # Written (and without error) before the core heard of it.
             self._plugin_writes.pop(meta.seq).result()
             write_snapshot(self.snap_dir, meta, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -536,19 +538,41 @@ class GroupShell:
         # The plugin is exactly at `seq` now: entries after it are applied
         # later in this same effect stream. Only the capture runs here: the
         # packing and fsyncs of a large state (~0.2 s per 100k items) would
-        # stall every group of this worker, so they go to the persist thread,
-        # and the group keeps applying meanwhile. The core hears of the
-        # snapshot once it is written; a writer's error surfaces where the
-        # Compact's Persist installs it (and fails the group, like any disk error).
+        # stall every group of this worker, so a thread of its own writes it,
+        # and the group keeps applying meanwhile (a writer on the persist
+        # thread would hold up the passes queued behind it). One capture at a
+        # time: each holds a copy of the state, and a point asked for while
+        # one is being written is skipped (the next comes snapshot_every later).
+        if self._plugin_writes:
+            self.log.info("snapshot_skipped", seq=seq, writing=sorted(self._plugin_writes))
+            return
         self.snap_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.snap_dir, prefix=f".plugin-{seq}-"))
         writer = self.plugin.capture()
         self._plugin_snaps[seq] = tmp
-        written = self._pool().submit(writer, tmp)
+        if self._writer_pool is None:
+            self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-snapshot")
+        written = self._writer_pool.submit(writer, tmp)
         self._plugin_writes[seq] = written
-        self._last_snapshot_seq = seq
         loop = asyncio.get_running_loop()
-        written.add_done_callback(lambda f: f.cancelled() or loop.call_soon_threadsafe(self.deliver, m.Compact(seq)))
+        written.add_done_callback(lambda f: loop.call_soon_threadsafe(self._plugin_written, seq, f))
+
+    def _plugin_written(self, seq: int, written: "Future[None]") -> None:
+        """On the loop, once the writer of `seq` has finished: tell the core, or
+        drop the capture if it failed (the log still holds everything; the
+        next point tries again)."""
+        if written.cancelled() or self._plugin_writes.get(seq) is not written:
+            return  # closing
+        exc = written.exception()
+        if exc is None:
+            self.deliver(m.Compact(seq))
+            return
+        self.log.error("snapshot_write_failed", seq=seq, error=f"{type(exc).__name__}: {exc}")
+        # pop(..., None): an installed snapshot past seq may have dropped it already.
+        self._plugin_writes.pop(seq, None)
+        tmp = self._plugin_snaps.pop(seq, None)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _reply(self, r: m.Reply) -> None:
         slot = self._batched.pop(r.req, None)

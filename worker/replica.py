@@ -277,9 +277,9 @@ class Replica:
         # entries it would drop (see _on_compact).
         self._compact_meta: SnapshotMeta | None = None
         self._compact_asked = 0
-        # The SnapshotMeta of the last TakeSnapshot point, made while the
-        # dedup table was exactly there (rebuilding it later costs a replay).
-        self._prepared: SnapshotMeta | None = None
+        # The SnapshotMetas of the latest TakeSnapshot points, made while the
+        # dedup table was exactly there (rebuilding one later costs a replay).
+        self._prepared: dict[int, SnapshotMeta] = {}
         self._since_snapshot = 0  # client writes applied since the last TakeSnapshot
         self._now = 0
         self._out: list[Effect] = []
@@ -1044,10 +1044,10 @@ class Replica:
         if self._compact_meta is None or seq > self._compact_meta.seq:
             if self._compact_meta is None:
                 self._compact_asked = self._now
-            prepared, self._prepared = self._prepared, None
             # Computed now, not when the compaction happens: by then the
             # dedup table would have to be replayed from the old snapshot.
-            self._compact_meta = prepared if prepared is not None and prepared.seq == seq else self._snapshot_meta_at(seq)
+            prepared = self._prepared.pop(seq, None)
+            self._compact_meta = prepared if prepared is not None else self._snapshot_meta_at(seq)
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
@@ -1068,6 +1068,7 @@ class Replica:
                 and any(pr.match < meta.seq for pr in lead.progress.values())):
             return
         self._compact_meta = None
+        self._prepared = {s: p for s, p in self._prepared.items() if s > meta.seq}
         del self._log[: meta.seq - self._snap_seq]
         self._snap, self._snap_seq, self._snap_term = meta, meta.seq, meta.term
         self._configs = [x for x in self._configs if x[0] > meta.seq]
@@ -1554,7 +1555,12 @@ class Replica:
                     self._since_snapshot = 0
                     self._out.append(Apply(batch[start : i + 1]))
                     start = i + 1
-                    self._prepared = self._snapshot_meta_at(e.seq, exact=self._dedup)
+                    # Two kept: the shell may still be writing the previous
+                    # point when this one is asked for (it then skips this one).
+                    if self._prepared:
+                        newest = max(self._prepared)
+                        self._prepared = {newest: self._prepared[newest]}
+                    self._prepared[e.seq] = self._snapshot_meta_at(e.seq, exact=self._dedup)
                     self._out.append(TakeSnapshot(e.seq))
         self._applied = self._commit
         if start < len(batch):

@@ -228,6 +228,68 @@ async def test_a_plugin_snapshot_is_written_off_the_loop_while_the_group_goes_on
         await g.close()
 
 
+async def test_a_failed_snapshot_write_is_dropped_and_the_next_point_tries_again(tmp_path: Path) -> None:
+    # A full disk while writing a snapshot loses nothing (the log holds it
+    # all): the group goes on, and its next snapshot point writes one.
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    capture = g.plugin.capture
+    failures: list[int] = []
+
+    def failing_once() -> Any:
+        write = capture()
+        if failures:
+            return write
+
+        def full_disk(d: Path) -> None:
+            failures.append(1)
+            raise OSError(28, "No space left on device")
+        return full_disk
+    g.plugin.capture = failing_once  # type: ignore[method-assign]
+    try:
+        first = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in first)
+        await _until(lambda: bool(failures) and not g._plugin_writes)
+        assert g.failed is None and g.replica is not None and g.replica.snapshot_seq == 0
+        assert not list(g.snap_dir.glob(".plugin-*")) and g.latest_snapshot() is None
+        again = await g.write_many([(put(10 + i), f"b{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in again)
+        await _until(lambda: g.latest_snapshot() is not None)
+        snap = g.latest_snapshot()
+        assert snap is not None and snap.seq == again[0].seq and g.failed is None
+    finally:
+        await g.close()
+
+
+async def test_one_snapshot_capture_at_a_time_and_the_group_does_not_wait_for_it(tmp_path: Path) -> None:
+    g = await _single_voter(tmp_path, snapshot_every=2)
+    capture = g.plugin.capture
+    release = threading.Event()
+    captures: list[int] = []
+
+    def slow_capture() -> Any:
+        write = capture()
+        captures.append(1)
+
+        def slow_write(d: Path) -> None:
+            assert release.wait(10)
+            write(d)
+        return slow_write
+    g.plugin.capture = slow_capture  # type: ignore[method-assign]
+    try:
+        for i in range(6):  # six snapshot points while the first is being written
+            out = await g.write_many([(put(2 * i), f"c{i}a"), (put(2 * i + 1), f"c{i}b")], "quorum", 5.0)
+            assert all(o.ok for o in out)
+        assert captures == [1]  # the later points were skipped, not queued
+        release.set()
+        await _until(lambda: g.latest_snapshot() is not None and not g._plugin_writes)
+        out = await g.write_many([(put(100), "d1"), (put(101), "d2")], "quorum", 5.0)
+        assert all(o.ok for o in out)
+        await _until(lambda: len(captures) == 2)  # the next point after it was written
+    finally:
+        release.set()
+        await g.close()
+
+
 class _Sink:
     def __init__(self) -> None:
         self.sent: list[Any] = []

@@ -818,6 +818,25 @@ def test_the_core_picks_snapshot_points_and_keeps_their_meta() -> None:
     assert meta == replayed and meta.seq == 3 and len(meta.dedup) == 4
 
 
+def test_two_snapshot_points_before_the_first_compact_keep_both_metas() -> None:
+    # The shell may still be writing point 1 when point 2 is asked for.
+    net = ready_net(cfg=ReplicaConfig(snapshot_every=1))
+    a = net.r["a"]
+    for i in range(2):
+        net.do("a", ClientWrite(f"w{i}", i, rid=f"r{i}"))
+        net.run()
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert [t.seq for t in net.of("a", TakeSnapshot)] == [2, 3]
+    slow = a._snapshot_meta_at
+    replays: list[int] = []
+    a._snapshot_meta_at = lambda seq, exact=None: replays.append(seq) or slow(seq, exact)  # type: ignore[method-assign]
+    net.do("a", Compact(2))
+    net.do("a", Compact(3))
+    assert replays == [] and a.snapshot_seq == 3
+    assert [e.snapshot.seq for e in net.of("a", Persist) if e.snapshot] == [2, 3]
+
+
 def test_restart_applies_stored_commit_once() -> None:
     r = Replica("b", 0, CFG, stored(1, [op(1, 1), op(1, 2), op(1, 3)], commit=2))
     out = r.handle(Tick(), 5)
