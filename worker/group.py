@@ -499,11 +499,18 @@ class GroupShell:
             shutil.rmtree(tmp, ignore_errors=True)
         elif snapshot_at(self.snap_dir, meta.seq) is None:
             raise RuntimeError(f"core installed snapshot {meta.seq} but no archive exists for it")
-        # A leader holding a compaction back may be asked again before it
-        # compacts; the earlier plugin snapshots are superseded.
-        for seq in [s for s in self._plugin_snaps if s < meta.seq]:
-            self._plugin_writes.pop(seq, None)
-            shutil.rmtree(self._plugin_snaps.pop(seq), ignore_errors=True)
+        # Captures below a snapshot installed from the leader are superseded.
+        # This runs on the persist thread while the loop may drop a failed
+        # capture: only atomic pops, each tolerating the other side's. A
+        # writer may still be writing into its directory: removed when done.
+        for seq in [s for s in list(self._plugin_snaps) if s < meta.seq]:
+            old = self._plugin_snaps.pop(seq, None)
+            writer = self._plugin_writes.pop(seq, None)
+            if old is not None:
+                if writer is None:
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    writer.add_done_callback(lambda _f, d=old: shutil.rmtree(d, ignore_errors=True))
         if meta.seq <= wal.last_seq and wal.term_at(meta.seq) == meta.term:
             wal.compact_through(meta.seq)
         else:

@@ -1555,11 +1555,11 @@ class Replica:
                     self._since_snapshot = 0
                     self._out.append(Apply(batch[start : i + 1]))
                     start = i + 1
-                    # Two kept: the shell may still be writing the previous
-                    # point when this one is asked for (it then skips this one).
+                    # Two kept: the oldest, which the shell may still be
+                    # writing (it skips points asked for meanwhile), and this one.
                     if self._prepared:
-                        newest = max(self._prepared)
-                        self._prepared = {newest: self._prepared[newest]}
+                        oldest = min(self._prepared)
+                        self._prepared = {oldest: self._prepared[oldest]}
                     self._prepared[e.seq] = self._snapshot_meta_at(e.seq, exact=self._dedup)
                     self._out.append(TakeSnapshot(e.seq))
         self._applied = self._commit

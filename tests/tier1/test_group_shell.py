@@ -332,6 +332,62 @@ async def test_a_downloaded_snapshot_replaces_the_state_after_what_the_pass_appl
         await b.close()
 
 
+async def test_a_capture_superseded_by_a_downloaded_snapshot_is_removed_only_once_written(tmp_path: Path) -> None:
+    # Follower b reaches its own snapshot point (3) in the pass that restores
+    # the leader's snapshot at 4: its capture is superseded while its writer
+    # still runs, and must not have its directory removed under it.
+    def incr() -> dict[str, Any]:
+        return {"kind": "signal", "entity": "e1", "name": "c", "value": 1, "mode": "incr"}
+    peers = _Sink()
+    b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=2),
+                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    capture = b.plugin.capture
+    release = threading.Event()
+    outcomes: list[str] = []
+
+    def slow_capture() -> Any:
+        write = capture()
+
+        def slow_write(d: Path) -> None:
+            assert release.wait(10)
+            try:
+                write(d)
+            except OSError as exc:
+                outcomes.append(type(exc).__name__)
+                raise
+            outcomes.append("written")
+        return slow_write
+    b.plugin.capture = slow_capture  # type: ignore[method-assign]
+    b.open()
+    b.start()
+    try:
+        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+        entries = (m.Entry(1, 1, "term_start", None, None, 1),) + tuple(
+            m.Entry(1, s, "op", incr(), f"r{s}", 1) for s in (2, 3))
+        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
+        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=entries, commit=1))
+        await _until(lambda: any(isinstance(x, m.AppendReply) for x in peers.sent))
+        leader = load_plugin("entities")
+        for s in (2, 3, 4):
+            leader.apply(incr(), ApplyContext(s, 1, 1))
+        files = tmp_path / "files"
+        files.mkdir()
+        leader.snapshot(files)
+        snap = write_snapshot(b.snap_dir, m.SnapshotMeta(term=1, seq=4, ts=1), files)
+        b.deliver(m.Heartbeat(**env, commit=3, round=0))
+        b.deliver(_Restore(snap))
+        # the install (on the persist thread) is done once the WAL starts after 4
+        await _until(lambda: b.wal is not None and b.wal.snapshot[1] == 4)
+        assert list(b.snap_dir.glob(".plugin-3-*"))  # still being written
+        release.set()
+        await _until(lambda: bool(outcomes) and not list(b.snap_dir.glob(".plugin-*")))
+        assert outcomes == ["written"] and b.failed is None and not b._plugin_writes
+        assert b.plugin.query({"kind": "get_signals", "entity": "e1"})["counters"] == {"c": 3}
+    finally:
+        release.set()
+        await b.close()
+
+
 def test_replicas_spread_their_snapshots_over_the_last_quarter_of_the_interval() -> None:
     # Replicas under the same load must not all write their snapshots at once.
     every = 100_000

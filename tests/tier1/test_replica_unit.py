@@ -818,23 +818,24 @@ def test_the_core_picks_snapshot_points_and_keeps_their_meta() -> None:
     assert meta == replayed and meta.seq == 3 and len(meta.dedup) == 4
 
 
-def test_two_snapshot_points_before_the_first_compact_keep_both_metas() -> None:
-    # The shell may still be writing point 1 when point 2 is asked for.
+def test_snapshot_points_asked_while_one_is_written_keep_the_metas_the_shell_answers() -> None:
+    # The shell is still writing point 2 when 3 and 4 are asked for; it skips
+    # those, answers 2, and takes the next point it reaches (here 4).
     net = ready_net(cfg=ReplicaConfig(snapshot_every=1))
     a = net.r["a"]
-    for i in range(2):
+    for i in range(3):
         net.do("a", ClientWrite(f"w{i}", i, rid=f"r{i}"))
         net.run()
     net.tick(CFG.heartbeat_ms)
     net.run()
-    assert [t.seq for t in net.of("a", TakeSnapshot)] == [2, 3]
+    assert [t.seq for t in net.of("a", TakeSnapshot)] == [2, 3, 4]
     slow = a._snapshot_meta_at
     replays: list[int] = []
     a._snapshot_meta_at = lambda seq, exact=None: replays.append(seq) or slow(seq, exact)  # type: ignore[method-assign]
     net.do("a", Compact(2))
-    net.do("a", Compact(3))
-    assert replays == [] and a.snapshot_seq == 3
-    assert [e.snapshot.seq for e in net.of("a", Persist) if e.snapshot] == [2, 3]
+    net.do("a", Compact(4))
+    assert replays == [] and a.snapshot_seq == 4
+    assert [e.snapshot.seq for e in net.of("a", Persist) if e.snapshot] == [2, 4]
 
 
 def test_restart_applies_stored_commit_once() -> None:
