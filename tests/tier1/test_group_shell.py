@@ -298,33 +298,44 @@ class _Sink:
         self.sent.append(msg)
 
 
-async def test_a_downloaded_snapshot_replaces_the_state_after_what_the_pass_applied_before_it(tmp_path: Path) -> None:
-    # Follower b holds 1..3 with commit 1. A heartbeat committing 3 and the
-    # restore of the leader's snapshot at 4 land in one pass: the Apply of 2..3
-    # must not be performed on top of the restored state (a divergence).
-    def incr() -> dict[str, Any]:
-        return {"kind": "signal", "entity": "e1", "name": "c", "value": 1, "mode": "incr"}
+def _incr() -> dict[str, Any]:
+    return {"kind": "signal", "entity": "e1", "name": "c", "value": 1, "mode": "incr"}
+
+
+def _follower(tmp_path: Path, settings: GroupSettings) -> tuple[GroupShell, _Sink]:
     peers = _Sink()
-    b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), GroupSettings(fsync="batch"),
+    b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), settings,
                    peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    return b, peers
+
+
+async def _commit_and_restore_in_one_pass(b: GroupShell, peers: _Sink, tmp_path: Path) -> None:
+    """Follower b holds 1..3 (three increments) with commit 1; then a heartbeat
+    committing 3 and the restore of the leader's snapshot at 4 reach it in one pass."""
+    b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+    entries = (m.Entry(1, 1, "term_start", None, None, 1),) + tuple(
+        m.Entry(1, s, "op", _incr(), f"r{s}", 1) for s in (2, 3))
+    env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
+    b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=entries, commit=1))
+    await _until(lambda: any(isinstance(x, m.AppendReply) for x in peers.sent))
+    leader = load_plugin("entities")
+    for s in (2, 3, 4):
+        leader.apply(_incr(), ApplyContext(s, 1, 1))
+    files = tmp_path / "files"
+    files.mkdir()
+    leader.snapshot(files)
+    snap = write_snapshot(b.snap_dir, m.SnapshotMeta(term=1, seq=4, ts=1), files)
+    b.deliver(m.Heartbeat(**env, commit=3, round=0))
+    b.deliver(_Restore(snap))
+
+
+async def test_a_downloaded_snapshot_replaces_the_state_after_what_the_pass_applied_before_it(tmp_path: Path) -> None:
+    # The Apply of 2..3 must not be performed on top of the restored state (a divergence).
+    b, peers = _follower(tmp_path, GroupSettings(fsync="batch"))
     b.open()
     b.start()
     try:
-        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
-        entries = (m.Entry(1, 1, "term_start", None, None, 1),) + tuple(
-            m.Entry(1, s, "op", incr(), f"r{s}", 1) for s in (2, 3))
-        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
-        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=entries, commit=1))
-        await _until(lambda: any(isinstance(x, m.AppendReply) for x in peers.sent))
-        leader = load_plugin("entities")
-        for s in (2, 3, 4):
-            leader.apply(incr(), ApplyContext(s, 1, 1))
-        files = tmp_path / "files"
-        files.mkdir()
-        leader.snapshot(files)
-        snap = write_snapshot(b.snap_dir, m.SnapshotMeta(term=1, seq=4, ts=1), files)
-        b.deliver(m.Heartbeat(**env, commit=3, round=0))
-        b.deliver(_Restore(snap))
+        await _commit_and_restore_in_one_pass(b, peers, tmp_path)
         await _until(lambda: b.replica is not None and b.replica.applied_seq == 4)
         assert b.plugin.query({"kind": "get_signals", "entity": "e1"})["counters"] == {"c": 3}
         assert b.failed is None
@@ -333,14 +344,10 @@ async def test_a_downloaded_snapshot_replaces_the_state_after_what_the_pass_appl
 
 
 async def test_a_capture_superseded_by_a_downloaded_snapshot_is_removed_only_once_written(tmp_path: Path) -> None:
-    # Follower b reaches its own snapshot point (3) in the pass that restores
-    # the leader's snapshot at 4: its capture is superseded while its writer
+    # b reaches its own snapshot point (3) in the pass that restores the
+    # leader's snapshot at 4: its capture is superseded while its writer
     # still runs, and must not have its directory removed under it.
-    def incr() -> dict[str, Any]:
-        return {"kind": "signal", "entity": "e1", "name": "c", "value": 1, "mode": "incr"}
-    peers = _Sink()
-    b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=2),
-                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    b, peers = _follower(tmp_path, GroupSettings(fsync="batch", snapshot_every=2))
     capture = b.plugin.capture
     release = threading.Event()
     outcomes: list[str] = []
@@ -361,21 +368,7 @@ async def test_a_capture_superseded_by_a_downloaded_snapshot_is_removed_only_onc
     b.open()
     b.start()
     try:
-        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
-        entries = (m.Entry(1, 1, "term_start", None, None, 1),) + tuple(
-            m.Entry(1, s, "op", incr(), f"r{s}", 1) for s in (2, 3))
-        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
-        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=entries, commit=1))
-        await _until(lambda: any(isinstance(x, m.AppendReply) for x in peers.sent))
-        leader = load_plugin("entities")
-        for s in (2, 3, 4):
-            leader.apply(incr(), ApplyContext(s, 1, 1))
-        files = tmp_path / "files"
-        files.mkdir()
-        leader.snapshot(files)
-        snap = write_snapshot(b.snap_dir, m.SnapshotMeta(term=1, seq=4, ts=1), files)
-        b.deliver(m.Heartbeat(**env, commit=3, round=0))
-        b.deliver(_Restore(snap))
+        await _commit_and_restore_in_one_pass(b, peers, tmp_path)
         # the install (on the persist thread) is done once the WAL starts after 4
         await _until(lambda: b.wal is not None and b.wal.snapshot[1] == 4)
         assert list(b.snap_dir.glob(".plugin-3-*"))  # still being written
