@@ -83,9 +83,9 @@ replay of the dedup table later).  The shell snapshots the plugin and
 answers `Compact(seq)`; it may also send Compact at any applied seq.
 `Compact(seq)` drops the log up to seq, keeping a SnapshotMeta (term, seq,
 dedup table, config); a leader holds it back, for at most compact_hold_ms,
-while a follower still lacks entries it would drop.  A follower whose next entry the leader no longer has
-gets SnapshotNeeded; it emits DownloadSnapshot, and the shell answers with
-SnapshotInstalled once the plugin has been restored.
+while a follower still lacks entries it would drop.  A follower whose next
+entry the leader no longer has gets SnapshotNeeded; it emits DownloadSnapshot,
+and the shell answers with SnapshotInstalled once the plugin has been restored.
 """
 from __future__ import annotations
 

@@ -190,41 +190,59 @@ async def test_close_waits_for_a_snapshot_pass_running_in_its_thread(tmp_path: P
     await asyncio.gather(writes, return_exceptions=True)
 
 
+class _GatedCapture:
+    """Wraps a plugin's capture: each writer waits for `release`, and what
+    happened is recorded as (event, thread id): "captured", "writing",
+    "written" or the writer's exception name."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.release = threading.Event()
+        self.events: list[tuple[str, int]] = []
+        self._capture = plugin.capture
+        plugin.capture = self
+
+    def count(self, event: str) -> int:
+        return sum(1 for e, _ in self.events if e == event)
+
+    def __call__(self) -> Any:
+        write = self._capture()
+        self.events.append(("captured", threading.get_ident()))
+
+        def gated_write(d: Path) -> None:
+            self.events.append(("writing", threading.get_ident()))
+            assert self.release.wait(10)
+            try:
+                write(d)
+            except OSError as exc:
+                self.events.append((type(exc).__name__, threading.get_ident()))
+                raise
+            self.events.append(("written", threading.get_ident()))
+        return gated_write
+
+
 async def test_a_plugin_snapshot_is_written_off_the_loop_while_the_group_goes_on(tmp_path: Path) -> None:
     # Packing and fsyncing a large state on the loop would stall every group
     # of the worker; only the capture may run there.
     g = await _single_voter(tmp_path, snapshot_every=5)
     loop_thread = threading.get_ident()
-    capture = g.plugin.capture
-    release = threading.Event()
-    writer_threads: list[int] = []
-
-    def slow_capture() -> Any:
-        write = capture()
-
-        def slow_write(d: Path) -> None:
-            writer_threads.append(threading.get_ident())
-            assert release.wait(10)
-            write(d)
-        return slow_write
-    g.plugin.capture = slow_capture  # type: ignore[method-assign]
+    gate = _GatedCapture(g.plugin)
     try:
         first = await g.write_many([(put(i), f"a{i}") for i in range(10)], "quorum", 5.0)
         assert all(o.ok for o in first)
-        await _until(lambda: bool(writer_threads))
+        await _until(lambda: gate.count("writing") == 1)
         # the writer is stuck on "disk": writes still commit and apply
         later = await g.write_many([(put(100 + i), f"b{i}") for i in range(3)], "quorum", 5.0)
         assert all(o.ok for o in later)
         assert g.latest_snapshot() is None and g.replica is not None and g.replica.snapshot_seq == 0
-        release.set()
+        gate.release.set()
         await _until(lambda: g.latest_snapshot() is not None)
         snap = g.latest_snapshot()
         assert snap is not None and snap.seq == first[0].seq
         await _until(lambda: g.replica is not None and g.replica.snapshot_seq == snap.seq)
-        assert writer_threads[0] != loop_thread
+        assert all(tid != loop_thread for e, tid in gate.events if e != "captured")
         assert not list(g.snap_dir.glob(".plugin-*"))  # the capture's files went into the archive
     finally:
-        release.set()
+        gate.release.set()
         await g.close()
 
 
@@ -262,31 +280,19 @@ async def test_a_failed_snapshot_write_is_dropped_and_the_next_point_tries_again
 
 async def test_one_snapshot_capture_at_a_time_and_the_group_does_not_wait_for_it(tmp_path: Path) -> None:
     g = await _single_voter(tmp_path, snapshot_every=2)
-    capture = g.plugin.capture
-    release = threading.Event()
-    captures: list[int] = []
-
-    def slow_capture() -> Any:
-        write = capture()
-        captures.append(1)
-
-        def slow_write(d: Path) -> None:
-            assert release.wait(10)
-            write(d)
-        return slow_write
-    g.plugin.capture = slow_capture  # type: ignore[method-assign]
+    gate = _GatedCapture(g.plugin)
     try:
         for i in range(6):  # six snapshot points while the first is being written
             out = await g.write_many([(put(2 * i), f"c{i}a"), (put(2 * i + 1), f"c{i}b")], "quorum", 5.0)
             assert all(o.ok for o in out)
-        assert captures == [1]  # the later points were skipped, not queued
-        release.set()
+        assert gate.count("captured") == 1  # the later points were skipped, not queued
+        gate.release.set()
         await _until(lambda: g.latest_snapshot() is not None and not g._plugin_writes)
         out = await g.write_many([(put(100), "d1"), (put(101), "d2")], "quorum", 5.0)
         assert all(o.ok for o in out)
-        await _until(lambda: len(captures) == 2)  # the next point after it was written
+        await _until(lambda: gate.count("captured") == 2)  # the next point after it was written
     finally:
-        release.set()
+        gate.release.set()
         await g.close()
 
 
@@ -348,23 +354,7 @@ async def test_a_capture_superseded_by_a_downloaded_snapshot_is_removed_only_onc
     # leader's snapshot at 4: its capture is superseded while its writer
     # still runs, and must not have its directory removed under it.
     b, peers = _follower(tmp_path, GroupSettings(fsync="batch", snapshot_every=2))
-    capture = b.plugin.capture
-    release = threading.Event()
-    outcomes: list[str] = []
-
-    def slow_capture() -> Any:
-        write = capture()
-
-        def slow_write(d: Path) -> None:
-            assert release.wait(10)
-            try:
-                write(d)
-            except OSError as exc:
-                outcomes.append(type(exc).__name__)
-                raise
-            outcomes.append("written")
-        return slow_write
-    b.plugin.capture = slow_capture  # type: ignore[method-assign]
+    gate = _GatedCapture(b.plugin)
     b.open()
     b.start()
     try:
@@ -372,12 +362,13 @@ async def test_a_capture_superseded_by_a_downloaded_snapshot_is_removed_only_onc
         # the install (on the persist thread) is done once the WAL starts after 4
         await _until(lambda: b.wal is not None and b.wal.snapshot[1] == 4)
         assert list(b.snap_dir.glob(".plugin-3-*"))  # still being written
-        release.set()
-        await _until(lambda: bool(outcomes) and not list(b.snap_dir.glob(".plugin-*")))
-        assert outcomes == ["written"] and b.failed is None and not b._plugin_writes
+        gate.release.set()
+        await _until(lambda: gate.count("written") == 1 and not list(b.snap_dir.glob(".plugin-*")))
+        assert [e for e, _ in gate.events] == ["captured", "writing", "written"]
+        assert b.failed is None and not b._plugin_writes
         assert b.plugin.query({"kind": "get_signals", "entity": "e1"})["counters"] == {"c": 3}
     finally:
-        release.set()
+        gate.release.set()
         await b.close()
 
 
