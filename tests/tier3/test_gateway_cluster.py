@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import orjson
 import pytest
 
 from tests.support.cluster import Cluster, http_json, wait_until
@@ -125,3 +127,37 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("batch", [0, 5])
+def test_the_benchmark_counts_exactly_the_writes_the_cluster_applied(cluster: Cluster, tmp_path: Path,
+                                                                      batch: int) -> None:
+    # Increments of 20 counters: after the run, the counters' sum is the
+    # number of writes that were applied, which must equal what the bench
+    # reports as acknowledged (snapshot_every=100: snapshots are taken meanwhile).
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "shardgrid.cli", "bench", "--duration", "2", "--warmup", "0", "--concurrency", "8",
+            "--mix", "incr=100", "--keys", "20", "--quiet", "--json", str(out)]
+    if batch:
+        argv += ["--batch", str(batch)]
+    for addr in cluster.gateways:
+        argv += ["--gateway", f"http://{addr}"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # its generator processes are in its group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    r = orjson.loads(out.read_bytes())
+    assert r["errors"]["total"] == 0 and not r["errors"].get("record_errors"), r["errors"]
+    assert r["acked_writes"] > 100
+    applied = 0
+    for i in range(20):
+        status, body = http_json("GET", f"http://{cluster.gateways[0]}/signals/bench-{i}")
+        if status == 404:
+            continue
+        assert status == 200, body
+        applied += body["counters"].get("hits", 0)
+    assert applied == r["acked_writes"]
