@@ -162,6 +162,15 @@ def is_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool:
     return now_ms - last < lease_ms
 
 
+def heard_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool:
+    """Heard from within the lease by this meta leader: no grace for a worker not heard yet.
+
+    What operators see as `live`, and what guards that must not guess (a
+    removal's live quorum, a new replica) require."""
+    seen = soft.workers.get(worker)
+    return seen is not None and now_ms - seen.last_seen_ms < lease_ms
+
+
 def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int) -> str | None:
     """The live voter that should lead `group`, or None when none is live."""
     best: tuple[tuple[int, int], int, str] | None = None

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
-                             UpdateOperator, advance_operator, best_transfer_target, decide, is_live, rebalance,
+                             UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
                              report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.state import GroupRecord
@@ -187,7 +187,7 @@ class MetaServer:
             now, lease = _now_ms(), self._lease_ms()
             for wid, w in view["workers"].items():
                 seen = self.soft.workers.get(wid)
-                w["live"] = seen is not None and now - seen.last_seen_ms < lease
+                w["live"] = heard_live(self.soft, wid, now, lease)
                 w["last_seen_ms_ago"] = None if seen is None else now - seen.last_seen_ms
                 w["report"] = self.heartbeat_raw.get(wid)
         return view
@@ -312,7 +312,7 @@ class MetaServer:
         if target not in g.voters:
             raise ApiError("bad_request", f"{target} is not a voter of group {gid} (voters: {', '.join(g.voters)})",
                            shard=gid)
-        if not is_live(soft, target, now, lease) or report_of(soft, target, gid) is None:
+        if not heard_live(soft, target, now, lease) or report_of(soft, target, gid) is None:
             raise ApiError("bad_request", f"{target} is not live (no recent heartbeat for group {gid})", shard=gid)
         lead_rep, tgt_rep = report_of(soft, g.leader, gid), report_of(soft, target, gid)
         if lead_rep is not None and tgt_rep is not None and \
@@ -373,7 +373,7 @@ class MetaServer:
                 raise ApiError("bad_request", f"{add} already hosts group {gid}")
             if add not in self.raft.sm.workers:
                 raise ApiError("bad_request", f"{add} is not a registered worker")
-            if not is_live(soft, add, now, lease) or soft.workers.get(add) is None:
+            if not heard_live(soft, add, now, lease):
                 raise ApiError("bad_request", f"{add} is not live (no recent heartbeat)")
             cmd = {"op": "put_operator", "group": gid, "kind": "add", "worker": add, "step": "add_learner",
                    "started_ms": int(time.time() * 1000)}
@@ -381,7 +381,10 @@ class MetaServer:
             if remove not in members:
                 raise ApiError("bad_request", f"{remove} does not host group {gid}")
             remaining = [v for v in g.voters if v != remove]
-            live = [v for v in remaining if is_live(soft, v, now, lease)]
+            # Only voters this meta leader has heard from count: right after a
+            # meta failover the controller's grace lease would count a voter
+            # that died meanwhile, and the removal would leave no quorum.
+            live = [v for v in remaining if heard_live(soft, v, now, lease)]
             if not remaining or len(live) < len(remaining) // 2 + 1:
                 raise ApiError("bad_request", f"removing {remove} would leave group {gid} without a quorum of live "
                                f"voters ({len(live)} live of {len(remaining)})")

@@ -9,8 +9,9 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestClient
 
+from meta.controller import SoftState
 from meta.raft import MetaRaft, RaftPeer
-from meta.server import MetaServer, MetaServerConfig
+from meta.server import MetaServer, MetaServerConfig, _now_ms
 from tests.support.cluster import free_ports
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").read_text()
@@ -230,3 +231,24 @@ def test_leader_balance_backs_off_a_move_that_does_not_stick() -> None:
         waits.append(b.retry_at - i * 1000)
     assert waits[:3] == [REBALANCE_COOLDOWN_MS, 2 * REBALANCE_COOLDOWN_MS, 4 * REBALANCE_COOLDOWN_MS]
     assert waits[-1] == REBALANCE_BACKOFF_MAX_MS and b.term == 5 and b.attempts == 8
+
+
+async def test_a_removal_right_after_a_meta_failover_counts_only_voters_heard_from(meta_and_worker: Any) -> None:
+    """A new meta leader gives workers it has not heard from a grace lease before it fails
+    their groups over; a removal must not count them towards the live quorum it leaves."""
+    client, server, raft, calls, behaviour = meta_and_worker
+    server.soft = SoftState(leader_since_ms=_now_ms())  # as if this node had just been elected
+    hb = await client.post("/v1/workers/w1/heartbeat", json={"groups": {"0": {
+        "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10, "role": "leader"}}})
+    assert hb.status == 200
+    view = await (await client.get("/v1/cluster")).json()
+    assert view["workers"]["w1"]["live"] is True and view["workers"]["w3"]["live"] is False
+    refused = await client.post("/v1/groups/0/replicas", json={"remove": "w2"})
+    err = (await refused.json())["error"]
+    assert refused.status == 400 and "quorum of live voters (1 live of 2)" in err["message"], err
+    assert not raft.sm.operators  # nothing started
+    hb = await client.post("/v1/workers/w3/heartbeat", json={"groups": {"0": {
+        "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10, "role": "follower"}}})
+    assert hb.status == 200
+    started = await client.post("/v1/groups/0/replicas", json={"remove": "w2"})
+    assert started.status == 202, await started.text()
