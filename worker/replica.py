@@ -162,6 +162,8 @@ class _Progress:
     inflight: int | None = None  # last seq covered by the outstanding Append / snapshot
     inflight_prev: int = -1  # prev_seq of the outstanding Append
     retry_at: int = 0
+    told_commit: int = 0  # highest commit we sent it that it can use (bounded by what we sent it)
+    told_at: int = 0  # when we last sent it an Append or a Heartbeat
 
 
 @dataclass(slots=True)
@@ -203,6 +205,7 @@ class _Leadership:
     term_start_seq: int = 0
     progress: dict[str, _Progress] = field(default_factory=dict)
     next_heartbeat: int = 0
+    notice_at: int | None = None  # when a follower that lags our commit is told it
     waiters: dict[int, list[_WriteWaiter]] = field(default_factory=dict)
     waiter_seqs: list[int] = field(default_factory=list)  # heap of keys of `waiters`
     waiter_deadlines: deque[_WriteWaiter] = field(default_factory=deque)
@@ -897,6 +900,8 @@ class Replica:
         pr.inflight = prev + len(batch)
         pr.inflight_prev = prev
         pr.retry_at = self._now + self._cfg.retry_ms
+        pr.told_commit = max(pr.told_commit, min(self._commit, pr.inflight))
+        pr.told_at = self._now
 
     def _on_append_reply(self, m: AppendReply) -> None:
         lead = self._lead
@@ -994,12 +999,19 @@ class Replica:
         if m.src in lead.progress:
             self._replicate(m.src)
 
+    def _lags_commit(self, pr: _Progress) -> bool:
+        """It holds entries it does not know are committed, and no Append will tell it."""
+        return min(self._commit, pr.match) > pr.told_commit
+
     def _send_heartbeats(self, peers: Sequence[str]) -> None:
         lead = self._lead
         assert lead is not None
         for peer in peers:
             pr = lead.progress.get(peer)
             commit = min(self._commit, pr.match) if pr is not None else 0
+            if pr is not None:
+                pr.told_commit = max(pr.told_commit, commit)
+                pr.told_at = self._now
             self._send(
                 Heartbeat(
                     src=self._id, dst=peer, group=self._group, term=self._term, commit=commit, round=lead.read_round
@@ -1483,6 +1495,10 @@ class Replica:
         elif lead.round_inflight and now >= lead.round_started + self._cfg.retry_ms:
             lead.round_started = now
             self._send_heartbeats([v for v in self._config().voters if v not in lead.round_acks])
+        if lead.notice_at is not None and now >= lead.notice_at:
+            notice = self._cfg.commit_notice_ms
+            self._send_heartbeats([p for p, pr in lead.progress.items()
+                                   if self._lags_commit(pr) and now >= pr.told_at + notice])
         self._expire_writes()
         for name in ("round_reads", "next_reads", "confirmed_reads"):
             reads = getattr(lead, name)
@@ -1499,6 +1515,8 @@ class Replica:
                 times.append(lead.retry_at)
             else:
                 times.append(lead.next_heartbeat)
+                if lead.notice_at is not None:
+                    times.append(lead.notice_at)
                 times.extend(pr.retry_at for pr in lead.progress.values() if pr.inflight is not None)
                 if lead.round_inflight:
                     times.append(lead.round_started + self._cfg.retry_ms)
@@ -1527,6 +1545,10 @@ class Replica:
         if lead is not None and lead.phase == _READY:
             self._complete_writes()
             self._check_transfer()
+            # A follower that has heard nothing from us for commit_notice_ms
+            # while our commit is ahead of what it knows: no Append is coming.
+            quiet = [pr.told_at for pr in lead.progress.values() if self._lags_commit(pr)]
+            lead.notice_at = min(quiet) + self._cfg.commit_notice_ms if quiet else None
         self._serve_reads()
         self._maybe_compact()
         self._record_commit()

@@ -103,7 +103,13 @@ class StoredState:
 
 @dataclass(slots=True, frozen=True)
 class ReplicaConfig:
-    heartbeat_ms: int = 50
+    # Followers learn the commit from the next Append; what is left at the
+    # end of a burst goes out as a commit notice `commit_notice_ms` later
+    # (unless an Append carried it first). The periodic heartbeat is only a
+    # backstop, so it can be rare: each one costs every group a message and
+    # a reply per follower, which was most of an idle worker's CPU at 50 ms.
+    heartbeat_ms: int = 500
+    commit_notice_ms: int = 20
     retry_ms: int = 200
     quorum_timeout_ms: int = 2000
     max_batch_entries: int = 1024

@@ -268,7 +268,9 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
         nemesis=rng.choice((0.0, 0.3)),
         patience_ms=600,
         cfg=ReplicaConfig(
-            heartbeat_ms=rng.choice((50, 100)),
+            # 500: followers learn the last commit of a burst only from the commit notice.
+            heartbeat_ms=rng.choice((50, 100, 500)),
+            commit_notice_ms=rng.choice((5, 20)),
             retry_ms=rng.choice((100, 200)),
             quorum_timeout_ms=600,
             max_batch_entries=rng.choice((1, 2, 3, 8, 64)),

@@ -544,13 +544,47 @@ def test_lost_append_is_retransmitted() -> None:
 
 
 def test_heartbeat_carries_commit_to_followers() -> None:
-    net = ready_net()
+    net = ready_net(cfg=ReplicaConfig(commit_notice_ms=10_000))  # only the periodic heartbeat
     net.do("a", ClientWrite("w", "x"))
     net.run()
     assert net.r["b"].commit_seq == 1
     net.tick(CFG.heartbeat_ms)
     net.run()
     assert net.r["b"].commit_seq == 2 and net.r["b"].applied_seq == 2
+
+
+def test_the_last_commit_of_a_burst_reaches_followers_as_a_notice_long_before_a_heartbeat() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    assert net.r["a"].commit_seq == 2 and net.r["b"].commit_seq == 1
+    before = len(net.sent(Heartbeat))
+    net.tick(CFG.commit_notice_ms - 1)
+    net.run()
+    assert net.r["b"].commit_seq == 1 and len(net.sent(Heartbeat)) == before
+    net.tick(1)
+    net.run()
+    assert CFG.commit_notice_ms < CFG.heartbeat_ms
+    assert [(h.dst, h.commit) for h in net.sent(Heartbeat)[before:]] == [("b", 2), ("c", 2)]
+    assert all(net.r[x].commit_seq == 2 and net.r[x].applied_seq == 2 for x in ("b", "c"))
+    # Told once: nothing more until the periodic heartbeat.
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert len(net.sent(Heartbeat)) == before + 2
+
+
+def test_no_commit_notice_while_appends_keep_carrying_the_commit() -> None:
+    """Under steady writes every Append tells the follower the commit: no notices on top."""
+    net = ready_net()
+    before = len(net.sent(Heartbeat))
+    step = CFG.commit_notice_ms // 2
+    for i in range(20):
+        net.do("a", ClientWrite(f"w{i}", f"x{i}"))
+        net.run()
+        net.tick(step)
+        net.run()
+    assert 20 * step < CFG.heartbeat_ms and len(net.sent(Heartbeat)) == before
+    assert net.r["b"].commit_seq == net.r["a"].commit_seq - 1  # one write behind, as Appends tell it
 
 
 # ---------------------------------------------------------------------------
