@@ -78,6 +78,7 @@ from worker.replica_msgs import (
     Config,
     DownloadSnapshot,
     Entry,
+    Heartbeat,
     Message,
     MetaView,
     Persist,
@@ -396,6 +397,8 @@ class Sim:
         self.steps += 1
         if self.verbose:
             self.log(f"-> {node.name} {ev}")
+        if type(ev) is Heartbeat and ev.commit > r.commit_seq and ev.term == r.term:
+            self.stats["commit_from_heartbeat"] += 1  # a notice, or the periodic backstop
         try:
             out = r.handle(ev, self.now)
         except AssertionError as exc:

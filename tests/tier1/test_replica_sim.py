@@ -61,5 +61,6 @@ def test_runs_exercise_the_protocol() -> None:
         "ops_entries_committed",
         "compact_held",
         "snapshot_taken",
+        "commit_from_heartbeat",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"
