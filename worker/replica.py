@@ -1000,8 +1000,11 @@ class Replica:
             self._replicate(m.src)
 
     def _lags_commit(self, pr: _Progress) -> bool:
-        """It holds entries it does not know are committed, and no Append will tell it."""
-        return min(self._commit, pr.match) > pr.told_commit
+        """It holds entries it does not know are committed, and no Append will tell it.
+
+        With an Append in flight its reply comes first, and the next Append
+        (or, with nothing left to send, the notice) carries the commit."""
+        return pr.inflight is None and min(self._commit, pr.match) > pr.told_commit
 
     def _send_heartbeats(self, peers: Sequence[str]) -> None:
         lead = self._lead

@@ -573,6 +573,25 @@ def test_the_last_commit_of_a_burst_reaches_followers_as_a_notice_long_before_a_
     assert len(net.sent(Heartbeat)) == before + 2
 
 
+def test_no_commit_notice_to_a_follower_with_an_append_in_flight() -> None:
+    """b's reply to seq 2 completes the quorum, but the Append of seq 3 it triggers left
+    before the commit moved: b lags our commit with that Append still in flight."""
+    net = ready_net()
+    net.drop = lambda m: isinstance(m, Append) and m.dst == "b" and m.prev_seq == 2  # lost
+    net.do("a", ClientWrite("w1", "x"))
+    net.do("a", ClientWrite("w2", "y"))
+    net.run()
+    assert net.r["a"].commit_seq == 3 and net.r["b"].commit_seq == 1
+    before = len(net.sent(Heartbeat))
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert [h.dst for h in net.sent(Heartbeat)[before:]] == ["c"]
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)  # the Append is presumed lost and sent again, with the commit
+    net.run()
+    assert net.r["b"].commit_seq == 3
+
+
 def test_no_commit_notice_while_appends_keep_carrying_the_commit() -> None:
     """Under steady writes every Append tells the follower the commit: no notices on top."""
     net = ready_net()
