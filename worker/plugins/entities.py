@@ -116,6 +116,7 @@ _SIGNAL_MODES = ("incr", "set")
 # comparison admits a well-formed op; only a bad one pays for the diagnosis.
 _EXACT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
     {kind: frozenset(("kind",) + keys) for kind, keys in (*_OPS.items(), *_QUERIES.items())})
+_PUT_KEYS = _EXACT_KEYS["put_item"]
 
 
 # ---------------------------------------------------------------- parsed ops
@@ -428,16 +429,19 @@ class EntitiesPlugin:
         self._parse(op, limits=True)
 
     def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
+        # The most common op, with the checks _parse(limits=False) makes on
+        # it, and no parsed object: every replica runs this for every put.
+        if type(op) is dict and op.get("kind") == "put_item" and op.keys() == _PUT_KEYS:
+            id = op["id"]
+            if type(id) is str and id and id.isascii():
+                return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
         # Re-parse without admission limits (see base.py): structure is what
         # apply needs to be atomic; limits were the leader's business.
         parsed = self._parse(op, limits=False)
         s = self._state
         match parsed:
             case _PutItem(id=id, encoded=encoded):
-                old = s.items.get(id)
-                s.items[id] = encoded
-                s.item_bytes += len(encoded) - (len(old) if old is not None else 0)
-                return {"id": id, "created": old is None}
+                return self._put_item(id, encoded)
             case _DeleteItem(id=id):
                 old = s.items.pop(id, None)
                 if old is not None:
@@ -450,6 +454,13 @@ class EntitiesPlugin:
             case _DeleteEmbedding(id=id):
                 return {"id": id, "deleted": s.matrix.delete(id)}
         raise AssertionError(f"unhandled op {parsed!r}")
+
+    def _put_item(self, id: str, encoded: bytes) -> dict[str, Any]:
+        s = self._state
+        old = s.items.get(id)
+        s.items[id] = encoded
+        s.item_bytes += len(encoded) - (len(old) if old is not None else 0)
+        return {"id": id, "created": old is None}
 
     def _apply_signal(self, op: _Signal) -> Number:
         s = self._state
