@@ -24,9 +24,9 @@ completes (a per-replica 3/4 to all of) `snapshot_every` client writes; the
 plugin captures its state at exactly S and a thread of its own writes it into
 a temp dir (one capture at a time); then `Compact(S)` goes to the core; the
 core answers with `Persist(snapshot=meta)`, and only then the archive (plugin
-files + meta) is written and the WAL compacted. A follower told to download a snapshot fetches it by HTTP range
-requests (resumable), verifies its xxh3-128, renames it into place, restores
-the plugin and reports `SnapshotInstalled`.
+files + meta) is written and the WAL compacted. A follower told to download a
+snapshot fetches it by HTTP range requests (resumable), verifies its xxh3-128,
+renames it into place, restores the plugin and reports `SnapshotInstalled`.
 """
 from __future__ import annotations
 
