@@ -639,6 +639,12 @@ class Replica:
                 self._adopt_term(v.term, v.leader if v.leader != self._id else None)
         elif v.term == self._term and self._leader is None and v.leader != self._id:
             self._leader = v.leader
+            if v.leader is not None:
+                # We may have restarted: the leader believes we know the
+                # commit it told our previous incarnation, and an idle group
+                # would tell us again only at the next heartbeat.
+                self._send(HeartbeatReply(src=self._id, dst=v.leader, group=self._group, term=self._term,
+                                          round=0, commit=self._commit))
 
     def _start_term(self, view: MetaView) -> None:
         self._adopt_term(view.term, self._id)
@@ -996,7 +1002,10 @@ class Replica:
         if lead.round_inflight and m.round >= lead.read_round and m.src in self._config().voters:
             lead.round_acks.add(m.src)
             self._check_read_round()
-        if m.src in lead.progress:
+        pr = lead.progress.get(m.src)
+        if pr is not None:
+            if m.commit is not None and m.commit < pr.told_commit:
+                pr.told_commit = m.commit  # it forgot (restarted): the commit notice tells it again
             self._replicate(m.src)
 
     def _lags_commit(self, pr: _Progress) -> bool:

@@ -105,9 +105,11 @@ class StoredState:
 class ReplicaConfig:
     # Followers learn the commit from the next Append; what is left at the
     # end of a burst goes out as a commit notice `commit_notice_ms` later
-    # (unless an Append carried it first). The periodic heartbeat is only a
-    # backstop, so it can be rare: each one costs every group a message and
-    # a reply per follower, which was most of an idle worker's CPU at 50 ms.
+    # (unless an Append carried it first); a restarted follower announces
+    # itself to the leader meta names, which then notices it too. The periodic
+    # heartbeat is only a backstop, so it can be rare: each one costs every
+    # group a message and a reply per follower, which was most of an idle
+    # worker's CPU at 50 ms.
     heartbeat_ms: int = 500
     commit_notice_ms: int = 20
     retry_ms: int = 200
@@ -203,6 +205,10 @@ class Heartbeat(Message):
 @dataclass(slots=True, frozen=True, kw_only=True)
 class HeartbeatReply(Message):
     round: int
+    # Set only when a follower announces itself unasked (after a restart, on
+    # learning its term's leader from meta): the commit it knows, which may be
+    # below what the leader told its previous incarnation.
+    commit: int | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -79,6 +79,7 @@ from worker.replica_msgs import (
     DownloadSnapshot,
     Entry,
     Heartbeat,
+    HeartbeatReply,
     Message,
     MetaView,
     Persist,
@@ -399,6 +400,8 @@ class Sim:
             self.log(f"-> {node.name} {ev}")
         if type(ev) is Heartbeat and ev.commit > r.commit_seq and ev.term == r.term:
             self.stats["commit_from_heartbeat"] += 1  # a notice, or the periodic backstop
+        if type(ev) is HeartbeatReply and ev.commit is not None and ev.commit < r.commit_seq and r.role == "leader":
+            self.stats["announce_behind"] += 1  # a restarted follower tells the leader what it forgot
         try:
             out = r.handle(ev, self.now)
         except AssertionError as exc:

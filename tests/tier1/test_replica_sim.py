@@ -62,5 +62,6 @@ def test_runs_exercise_the_protocol() -> None:
         "compact_held",
         "snapshot_taken",
         "commit_from_heartbeat",
+        "announce_behind",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

@@ -606,6 +606,62 @@ def test_no_commit_notice_while_appends_keep_carrying_the_commit() -> None:
     assert net.r["b"].commit_seq == net.r["a"].commit_seq - 1  # one write behind, as Appends tell it
 
 
+def _restart_b(net: Net) -> None:
+    """b restarts from its log with the commit it persisted as a hint (none here)."""
+    b = net.r["b"]
+    net.r["b"] = Replica("b", 0, CFG, stored(b.term, b.entries(1, b.last_seq), commit=0))
+    net.effects["b"] = []
+
+
+def test_a_restarted_follower_announces_itself_and_learns_the_commit_from_a_notice() -> None:
+    """An idle group's leader would otherwise tell it only at the next heartbeat."""
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert net.r["b"].commit_seq == 2
+    _restart_b(net)
+    assert net.r["b"].commit_seq == 0
+    net.do("b", MetaView(1, "a", VOTERS))  # meta names the leader of b's term
+    [hello] = [m for m in net.sent(HeartbeatReply) if m.src == "b" and m.commit is not None]
+    assert (hello.dst, hello.commit, hello.round) == ("a", 0, 0)
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert net.r["b"].commit_seq == 2 and net.r["b"].applied_seq == 2
+    assert CFG.commit_notice_ms < CFG.heartbeat_ms
+
+
+def test_without_the_announcement_a_restarted_follower_waits_for_the_heartbeat() -> None:
+    """The control for the test above: the notice is what the announcement bought."""
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    _restart_b(net)
+    net.drop = lambda m: isinstance(m, HeartbeatReply) and m.commit is not None
+    net.do("b", MetaView(1, "a", VOTERS))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert net.r["b"].commit_seq == 0
+
+
+def test_an_announcement_at_or_above_what_the_leader_told_changes_nothing() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    before = len(net.sent(Heartbeat))
+    net.do("a", HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=2))
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert len(net.sent(Heartbeat)) == before
+
+
 # ---------------------------------------------------------------------------
 # Reads
 
