@@ -11,6 +11,13 @@ ties. Only the dead worker's groups change term. A newly elected meta leader
 has no heartbeats yet, so it waits one full lease before judging anyone dead
 (KAFKA-15019 fenced healthy brokers by doing otherwise).
 
+A leader that restarted within its lease is live but will never lead again in
+the term it had on disk (a replica only starts a term above its own). Its
+report gives it away: it holds the group's current term as a follower. Such a
+group fails over too, and the restarted worker may win it back, since nothing
+is wrong with its log; without this a quick restart (or a restart of the whole
+cluster) left its groups answering `not_leader` for good.
+
 Leader balance (Kafka's preferred-leader election): every group has a
 preferred leader — the topology's placement, or the target of the last
 operator transfer. Failovers and restarts move leaderships onto the
@@ -56,7 +63,7 @@ class GroupReport:
     """What a worker last reported about its replica of one group."""
 
     term: int = 0
-    role: str = "follower"
+    role: str = ""  # "leader", "candidate", "follower", "learner"; "" when not reported
     last_term: int = 0
     last_seq: int = 0
     commit: int = 0
@@ -171,11 +178,14 @@ def heard_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool
     return seen is not None and now_ms - seen.last_seen_ms < lease_ms
 
 
-def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int) -> str | None:
-    """The live voter that should lead `group`, or None when none is live."""
+def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int,
+                       include_leader: bool = False) -> str | None:
+    """The live voter that should lead `group`, or None when none is live.
+
+    The current leader competes only when it is live and merely restarted."""
     best: tuple[tuple[int, int], int, str] | None = None
     for voter in group.voters:
-        if voter == group.leader or not is_live(soft, voter, now_ms, lease_ms):
+        if (voter == group.leader and not include_leader) or not is_live(soft, voter, now_ms, lease_ms):
             continue
         seen = soft.workers.get(voter)
         report = seen.groups.get(group.id) if seen is not None else None
@@ -194,6 +204,14 @@ def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_m
 def unusable(report: GroupReport) -> bool:
     """A replica that must not lead: it re-syncs, or its group failed."""
     return report.resyncing or report.failed is not None
+
+
+def restarted_leader(report: GroupReport, group: GroupRecord) -> bool:
+    """The named leader holds the group's term but as a follower: it restarted.
+
+    A leader meta names takes the new term and starts leading it in one step,
+    so no leader on its way up looks like this."""
+    return report.term == group.term and report.role in ("follower", "learner")
 
 
 def report_of(soft: SoftState, worker: str | None, group: int) -> GroupReport | None:
@@ -316,19 +334,24 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
 def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int) -> list[Action]:
     """Every failover and membership-record action the controller wants now, in group order."""
     actions: list[Action] = list(record_members(groups, soft))
-    if now_ms - soft.leader_since_ms < lease_ms:
-        return actions
+    # Silence can be judged only a lease after election; a restart is reported.
+    judge_silence = now_ms - soft.leader_since_ms >= lease_ms
     for group in sorted(groups, key=lambda g: g.id):
         grace = lease_ms if group.ready_term > 0 else max(lease_ms, BOOTSTRAP_GRACE_MS)
         lead_report = report_of(soft, group.leader, group.id)
-        if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
-                not (lead_report is not None and unusable(lead_report)):
+        restarted = lead_report is not None and not unusable(lead_report) and restarted_leader(lead_report, group)
+        if not judge_silence and not restarted:
             continue
-        candidate = failover_candidate(group, soft, now_ms, lease_ms)
+        if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
+                not (lead_report is not None and unusable(lead_report)) and not restarted:
+            continue
+        candidate = failover_candidate(group, soft, now_ms, lease_ms, include_leader=restarted)
         if candidate is None:
             continue
         if group.leader is None:
             reason = "leader_unassigned"
+        elif restarted:
+            reason = f"leader {group.leader} restarted and cannot lead term {group.term} again"
         elif lead_report is not None and lead_report.resyncing:
             reason = f"leader {group.leader} lost its log and re-syncs"
         elif lead_report is not None and lead_report.failed is not None:

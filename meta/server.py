@@ -468,7 +468,7 @@ class MetaServer:
         try:
             for gid, rep in raw_groups.items():
                 reports[int(gid)] = GroupReport(
-                    term=int(rep.get("term", 0)), role=str(rep.get("role", "follower")),
+                    term=int(rep.get("term", 0)), role=str(rep.get("role", "")),
                     last_term=int(rep.get("last_term", 0)), last_seq=int(rep.get("last_seq", 0)),
                     commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)),
                     voters=tuple(str(v) for v in rep.get("voters", ())),

@@ -58,6 +58,39 @@ def test_a_new_meta_leader_waits_a_full_lease() -> None:
     assert {a.group for a in after} == {0, 2} and all(a.leader == "w2" for a in after)
 
 
+def _restart_soft(now: int, w1: GroupReport) -> SoftState:
+    soft = SoftState(leader_since_ms=0)
+    soft.heard_from("w1", now, {0: w1})
+    for wid in ("w2", "w3"):
+        soft.heard_from(wid, now, {0: GroupReport(term=5, role="follower", last_term=5, last_seq=90)})
+    return soft
+
+
+def test_a_leader_that_restarted_within_its_lease_is_failed_over() -> None:
+    """Live, but it holds the group's term as a follower: it will never lead that term again."""
+    now = 10_000
+    gs = groups()[:1]
+    soft = _restart_soft(now, GroupReport(term=5, role="follower", last_term=5, last_seq=100))
+    # Its log is the longest: it may lead again, in the next term.
+    assert decide(gs, soft, now, LEASE) == [
+        SetLeader(group=0, leader="w1", expect_term=5, reason="leader w1 restarted and cannot lead term 5 again")]
+    soft = _restart_soft(now, GroupReport(term=5, role="follower", last_term=5, last_seq=80))
+    assert [(a.leader, a.expect_term) for a in decide(gs, soft, now, LEASE)] == [("w2", 5)]
+    # A report, not silence: no need to wait a lease after a meta election.
+    soft.leader_since_ms = now - 1
+    assert [(a.leader, a.expect_term) for a in decide(gs, soft, now, LEASE)] == [("w2", 5)]
+
+
+def test_a_leader_on_its_way_up_or_leading_is_left_alone() -> None:
+    now = 10_000
+    gs = groups()[:1]
+    for report in (GroupReport(term=5, role="leader", last_term=5, last_seq=100),
+                   GroupReport(term=5, role="candidate", last_term=4, last_seq=100),
+                   GroupReport(term=4, role="follower", last_term=4, last_seq=100),  # the new term not seen yet
+                   GroupReport(term=5, last_term=5, last_seq=100)):  # no role reported
+        assert decide(gs, _restart_soft(now, report), now, LEASE) == [], report
+
+
 def test_no_live_voter_means_no_action() -> None:
     now = 10_000
     assert decide(groups(), soft_with(now, {"w1": 0, "w2": 0, "w3": 0}), now, LEASE) == []

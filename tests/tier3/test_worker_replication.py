@@ -189,3 +189,41 @@ def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
                     bad.append(key)
         return bad
     assert asyncio.run(read_back()) == []
+
+
+def test_workers_restarted_within_the_lease_get_their_groups_led_again(tmp_path: Path) -> None:
+    """A leader back from a restart is live but can never lead the term it had on disk.
+
+    The lease is far longer than a restart, so meta sees no silence: only the
+    leader's own report (that term, as a follower) can get its groups led again.
+    """
+    lease_s = 30.0
+    c = Cluster.create(tmp_path / "cluster")
+    try:
+        c.boot(c.topology_yaml(lease_ms=int(lease_s * 1000)))
+        before = {gid: g["term"] for gid, g in c.view()["groups"].items()}
+        writers = {int(gid): Writer(c, int(gid)) for gid in before}
+
+        async def write_each(tag: str) -> None:
+            async with aiohttp.ClientSession() as s:
+                for gid, w in writers.items():
+                    await asyncio.to_thread(w.refresh_leader)
+                    assert await w.write(s, f"{tag}-{gid}"), f"group {gid}: no write acknowledged ({tag})"
+
+        asyncio.run(write_each("before"))
+        for wid, _, _ in c.workers:
+            c.kill(wid)
+        restarted = time.monotonic()
+        c.start_workers()
+
+        def led_again() -> bool:
+            gs = c.view()["groups"]
+            return all(g["ready"] and g["term"] > before[gid] for gid, g in gs.items())
+        wait_until(led_again, lease_s - 10.0, "every group to get a ready leader in a new term")
+        assert time.monotonic() - restarted < lease_s  # no leader was ever silent for a lease
+        asyncio.run(write_each("after"))
+        for gid, w in writers.items():
+            status = c.worker_status(c.view()["groups"][str(gid)]["leader"])["groups"][str(gid)]
+            assert status["applied"] >= max(w.acked.values()), (gid, status, w.acked)
+    finally:
+        c.close()
