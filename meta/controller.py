@@ -13,10 +13,13 @@ has no heartbeats yet, so it waits one full lease before judging anyone dead
 
 A leader that restarted within its lease is live but will never lead again in
 the term it had on disk (a replica only starts a term above its own). Its
-report gives it away: it holds the group's current term as a follower. Such a
-group fails over too, and the restarted worker may win it back, since nothing
-is wrong with its log; without this a quick restart (or a restart of the whole
-cluster) left its groups answering `not_leader` for good.
+report gives it away: it holds the group's current term as a follower (a
+leader that lost its term to a StaleTerm looks the same). Such a group fails
+over at once, to another live voter when there is one (a worker that restarts
+in a loop must not win its groups back each time; leader balance returns them
+once it has stayed up), else back to the restarted worker. Without this a quick
+restart, or a restart of the whole cluster, left its groups answering
+`not_leader` for good.
 
 Leader balance (Kafka's preferred-leader election): every group has a
 preferred leader — the topology's placement, or the target of the last
@@ -207,10 +210,11 @@ def unusable(report: GroupReport) -> bool:
 
 
 def restarted_leader(report: GroupReport, group: GroupRecord) -> bool:
-    """The named leader holds the group's term but as a follower: it restarted.
+    """The named leader holds the group's term but as a follower, so it will never lead it.
 
-    A leader meta names takes the new term and starts leading it in one step,
-    so no leader on its way up looks like this."""
+    It restarted (or adopted the term from a StaleTerm before meta named it).
+    A leader meta names takes the new term and starts leading it in the same
+    step, so no leader on its way up looks like this."""
     return report.term == group.term and report.role in ("follower", "learner")
 
 
@@ -345,13 +349,15 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
                 not (lead_report is not None and unusable(lead_report)) and not restarted:
             continue
-        candidate = failover_candidate(group, soft, now_ms, lease_ms, include_leader=restarted)
+        candidate = failover_candidate(group, soft, now_ms, lease_ms)
+        if candidate is None and restarted:
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, include_leader=True)
         if candidate is None:
             continue
         if group.leader is None:
             reason = "leader_unassigned"
         elif restarted:
-            reason = f"leader {group.leader} restarted and cannot lead term {group.term} again"
+            reason = f"leader {group.leader} holds term {group.term} as a follower (restarted)"
         elif lead_report is not None and lead_report.resyncing:
             reason = f"leader {group.leader} lost its log and re-syncs"
         elif lead_report is not None and lead_report.failed is not None:

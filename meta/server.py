@@ -474,7 +474,7 @@ class MetaServer:
                     voters=tuple(str(v) for v in rep.get("voters", ())),
                     learners=tuple(str(v) for v in rep.get("learners", ())),
                     config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)),
-                    failed=None if rep.get("failed") is None else str(rep["failed"])[:200],
+                    failed=_failed_of(rep),
                     write_rate=float(rep.get("write_rate", 0) or 0))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
@@ -597,3 +597,15 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("bad_request", "the body must be a JSON object")
     return body
+
+
+def _failed_of(rep: dict[str, Any]) -> str | None:
+    """Why a worker's replica of a group cannot serve, if it said so.
+
+    A group the worker found corrupt at start-up is reported as
+    `{"state": "corrupt", "error": ...}`: it must not lead either."""
+    if rep.get("failed") is not None:
+        return str(rep["failed"])[:200]
+    if rep.get("state") == "corrupt":
+        return f"corrupt: {rep.get('error')}"[:200]
+    return None

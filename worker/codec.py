@@ -17,6 +17,12 @@ _MESSAGE_TYPES: dict[str, type[m.Message]] = {
                 m.Heartbeat, m.HeartbeatReply, m.SnapshotNeeded)
 }
 _FIELDS: dict[str, tuple[str, ...]] = {name: tuple(f.name for f in fields(cls)) for name, cls in _MESSAGE_TYPES.items()}
+# Fields added after a message type first shipped default to None and are left
+# out while None, and decoding ignores fields it does not know: a worker one
+# version apart reads what the other sends (HeartbeatReply.commit, 2026-12-03).
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    name: tuple(f.name for f in fields(cls) if f.default is None) for name, cls in _MESSAGE_TYPES.items()
+}
 
 
 def encode_config(c: m.Config | None) -> list[list[str]] | None:
@@ -59,6 +65,9 @@ def encode_message(msg: m.Message) -> list[Any]:
         if f == "entries":
             value = [encode_entry(e) for e in value]
         body[f] = value
+    for f in _OPTIONAL[name]:
+        if body[f] is None:
+            del body[f]
     return [name, body]
 
 
@@ -69,4 +78,8 @@ def decode_message(raw: list[Any]) -> m.Message:
         raise ValueError(f"unknown message type {name!r}")
     if "entries" in body:
         body["entries"] = tuple(decode_entry(e) for e in body["entries"])
-    return cls(**body)
+    try:
+        return cls(**body)
+    except TypeError:
+        known = _FIELDS[name]
+        return cls(**{k: v for k, v in body.items() if k in known})  # a newer peer's extra fields

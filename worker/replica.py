@@ -637,14 +637,20 @@ class Replica:
             else:
                 # Adopting meta's term fences the old leader sooner.
                 self._adopt_term(v.term, v.leader if v.leader != self._id else None)
+                self._announce()
         elif v.term == self._term and self._leader is None and v.leader != self._id:
             self._leader = v.leader
-            if v.leader is not None:
-                # We may have restarted: the leader believes we know the
-                # commit it told our previous incarnation, and an idle group
-                # would tell us again only at the next heartbeat.
-                self._send(HeartbeatReply(src=self._id, dst=v.leader, group=self._group, term=self._term,
-                                          round=0, commit=self._commit))
+            self._announce()
+
+    def _announce(self) -> None:
+        """Tell the leader meta named what commit we know.
+
+        We may have restarted: the leader believes we know what it told our
+        previous incarnation, and in an idle group it would tell us again only
+        at the next heartbeat. A leader not leading this term yet ignores it."""
+        if self._leader is not None:
+            self._send(HeartbeatReply(src=self._id, dst=self._leader, group=self._group, term=self._term,
+                                      round=0, commit=self._commit))
 
     def _start_term(self, view: MetaView) -> None:
         self._adopt_term(view.term, self._id)

@@ -29,10 +29,20 @@ def test_every_message_type_round_trips() -> None:
         m.Append(**ENV, prev_term=3, prev_seq=9, entries=ENTRIES, commit=9),
         m.AppendReply(**ENV, ok=False, prev_seq=9, match=0, hint_seq=5, hint_term=2),
         m.Heartbeat(**ENV, commit=4, round=7), m.HeartbeatReply(**ENV, round=7),
+        m.HeartbeatReply(**ENV, round=0, commit=3),
         m.SnapshotNeeded(**ENV, snap_term=2, snap_seq=100),
     ]
     for msg in msgs:
         assert roundtrip(msg) == msg
+
+
+def test_peers_one_version_apart_read_each_other() -> None:
+    # A field added later is left out while unset, so an older peer reads the message...
+    assert encode_message(m.HeartbeatReply(**ENV, round=7)) == \
+        ["HeartbeatReply", {"src": "w1", "dst": "w2", "group": 1, "term": 3, "round": 7}]
+    # ...and a field this version does not know (from a newer peer) is ignored.
+    name, body = encode_message(m.Heartbeat(**ENV, commit=4, round=7))
+    assert decode_message([name, {**body, "added_later": [1, 2]}]) == m.Heartbeat(**ENV, commit=4, round=7)
 
 
 def test_entries_and_snapshot_meta_round_trip() -> None:

@@ -9,7 +9,7 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestClient
 
-from meta.controller import SoftState
+from meta.controller import SoftState, unusable
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig, _now_ms
 from tests.support.cluster import free_ports
@@ -252,3 +252,14 @@ async def test_a_removal_right_after_a_meta_failover_counts_only_voters_heard_fr
     assert hb.status == 200
     started = await client.post("/v1/groups/0/replicas", json={"remove": "w2"})
     assert started.status == 202, await started.text()
+
+
+async def test_a_replica_reported_corrupt_counts_as_failed(meta_and_worker: Any) -> None:
+    """A worker that found a group corrupt at start-up reports {"state": "corrupt"}:
+    it must not lead (it answers nothing for that group until restarted)."""
+    client, server, raft, calls, behaviour = meta_and_worker
+    hb = await client.post("/v1/workers/w1/heartbeat",
+                           json={"groups": {"0": {"state": "corrupt", "error": "record 7: bad checksum"}}})
+    assert hb.status == 200
+    rep = server.soft.workers["w1"].groups[0]
+    assert rep.failed == "corrupt: record 7: bad checksum" and unusable(rep)

@@ -649,17 +649,54 @@ def test_without_the_announcement_a_restarted_follower_waits_for_the_heartbeat()
     assert net.r["b"].commit_seq == 0
 
 
-def test_an_announcement_at_or_above_what_the_leader_told_changes_nothing() -> None:
+def test_only_an_announcement_below_what_the_leader_told_brings_a_notice() -> None:
     net = ready_net()
     net.do("a", ClientWrite("w", "x"))
     net.run()
     net.tick(CFG.commit_notice_ms)
     net.run()
-    before = len(net.sent(Heartbeat))
-    net.do("a", HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=2))
+    for reply in (HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=2),  # what it was told
+                  HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=3),  # above (a newer leader's)
+                  HeartbeatReply(src="b", dst="a", group=0, term=1, round=0)):  # an ordinary reply
+        before = len(net.sent(Heartbeat))
+        net.do("a", reply)
+        net.tick(CFG.commit_notice_ms)
+        net.run()
+        assert len(net.sent(Heartbeat)) == before, reply
+    net.do("a", HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=1))
     net.tick(CFG.commit_notice_ms)
     net.run()
-    assert len(net.sent(Heartbeat)) == before
+    assert [(h.dst, h.commit) for h in net.sent(Heartbeat)[-1:]] == [("b", 2)]
+
+
+def test_an_announcement_never_counts_as_a_read_confirmation() -> None:
+    net = ready_net()
+    net.drop = lambda m: isinstance(m, Heartbeat)  # the round's own heartbeats are lost
+    net.do("a", ClientRead("r", "q", deadline=net.now + 500))
+    net.run()
+    net.do("a", HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=1))
+    net.do("a", HeartbeatReply(src="c", dst="a", group=0, term=1, round=0, commit=1))
+    net.run()
+    assert not net.of("a", ServeRead)
+
+
+def test_a_follower_restarted_across_a_term_change_announces_itself_too() -> None:
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    b = net.r["b"]
+    net.r["b"] = Replica("b", 0, CFG, stored(b.term, b.entries(1, b.last_seq), commit=0))
+    net.effects["b"] = []
+    net.view(2, "c", VOTERS)  # meta moved the leadership while b was down
+    net.run()
+    hello = [m for m in net.sent(HeartbeatReply) if m.src == "b" and m.commit is not None]
+    assert [(m.dst, m.term) for m in hello] == [("c", 2)]
+    assert net.r["c"].ready
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    assert net.r["b"].commit_seq == net.r["c"].commit_seq >= 3
 
 
 # ---------------------------------------------------------------------------
