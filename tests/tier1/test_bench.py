@@ -182,6 +182,30 @@ async def test_open_loop_still_sends_what_fell_due_before_the_end_after_a_stall(
     assert lat["count"] == 60 and lat["max"] > 150, lat  # the late ones carry the stall
 
 
+async def test_open_loop_never_sleeps_less_than_a_timer_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvloop rounds a sleep down to whole milliseconds: a shorter one returns at once,
+    and an open loop whose requests are due 0.2 ms apart would spin through every gap."""
+    import shardgrid.bench_load as bench_load
+
+    real_sleep = asyncio.sleep
+    asked: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        asked.append(delay)
+        await real_sleep(delay)
+
+    monkeypatch.setattr(bench_load.asyncio, "sleep", sleep)
+
+    async def instant(kind: int) -> Any:
+        return OK1
+
+    summary, lat = await _engine_run(LoadConfig(rate=5000, duration_s=0.2), instant)
+    assert summary["sent"] == summary["scheduled"] == 1000 and lat["count"] == 1000, summary
+    waits = [d for d in asked if d > 0]
+    assert waits and min(waits) >= bench_load.MIN_SLEEP_NS / 1e9, sorted(waits)[:5]
+    assert len(waits) < 400  # one wake per millisecond or so, not one per request
+
+
 async def test_open_loop_counts_what_max_inflight_kept_unsent() -> None:
     summary, lat = await _engine_run(LoadConfig(rate=200, duration_s=0.5, max_inflight=1), _slow_server(0.02))
     assert summary["scheduled"] == 100
