@@ -606,6 +606,16 @@ def test_no_commit_notice_while_appends_keep_carrying_the_commit() -> None:
     assert net.r["b"].commit_seq == net.r["a"].commit_seq - 1  # one write behind, as Appends tell it
 
 
+def _one_write_known_everywhere() -> Net:
+    """A ready group with seq 2 written, committed, and the commit noticed by b and c."""
+    net = ready_net()
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    net.tick(CFG.commit_notice_ms)
+    net.run()
+    return net
+
+
 def _restart_b(net: Net) -> None:
     """b restarts from its log with the commit it persisted as a hint (none here)."""
     b = net.r["b"]
@@ -615,11 +625,7 @@ def _restart_b(net: Net) -> None:
 
 def test_a_restarted_follower_announces_itself_and_learns_the_commit_from_a_notice() -> None:
     """An idle group's leader would otherwise tell it only at the next heartbeat."""
-    net = ready_net()
-    net.do("a", ClientWrite("w", "x"))
-    net.run()
-    net.tick(CFG.commit_notice_ms)
-    net.run()
+    net = _one_write_known_everywhere()
     assert net.r["b"].commit_seq == 2
     _restart_b(net)
     assert net.r["b"].commit_seq == 0
@@ -635,11 +641,7 @@ def test_a_restarted_follower_announces_itself_and_learns_the_commit_from_a_noti
 
 def test_without_the_announcement_a_restarted_follower_waits_for_the_heartbeat() -> None:
     """The control for the test above: the notice is what the announcement bought."""
-    net = ready_net()
-    net.do("a", ClientWrite("w", "x"))
-    net.run()
-    net.tick(CFG.commit_notice_ms)
-    net.run()
+    net = _one_write_known_everywhere()
     _restart_b(net)
     net.drop = lambda m: isinstance(m, HeartbeatReply) and m.commit is not None
     net.do("b", MetaView(1, "a", VOTERS))
@@ -650,11 +652,7 @@ def test_without_the_announcement_a_restarted_follower_waits_for_the_heartbeat()
 
 
 def test_only_an_announcement_below_what_the_leader_told_brings_a_notice() -> None:
-    net = ready_net()
-    net.do("a", ClientWrite("w", "x"))
-    net.run()
-    net.tick(CFG.commit_notice_ms)
-    net.run()
+    net = _one_write_known_everywhere()
     for reply in (HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=2),  # what it was told
                   HeartbeatReply(src="b", dst="a", group=0, term=1, round=0, commit=3),  # above (a newer leader's)
                   HeartbeatReply(src="b", dst="a", group=0, term=1, round=0)):  # an ordinary reply
@@ -681,14 +679,8 @@ def test_an_announcement_never_counts_as_a_read_confirmation() -> None:
 
 
 def test_a_follower_restarted_across_a_term_change_announces_itself_too() -> None:
-    net = ready_net()
-    net.do("a", ClientWrite("w", "x"))
-    net.run()
-    net.tick(CFG.commit_notice_ms)
-    net.run()
-    b = net.r["b"]
-    net.r["b"] = Replica("b", 0, CFG, stored(b.term, b.entries(1, b.last_seq), commit=0))
-    net.effects["b"] = []
+    net = _one_write_known_everywhere()
+    _restart_b(net)
     net.view(2, "c", VOTERS)  # meta moved the leadership while b was down
     net.run()
     hello = [m for m in net.sent(HeartbeatReply) if m.src == "b" and m.commit is not None]
