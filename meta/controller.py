@@ -182,13 +182,15 @@ def heard_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool
 
 
 def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int,
-                       include_leader: bool = False) -> str | None:
+                       include_leader: bool = False, heard_only: bool = False) -> str | None:
     """The live voter that should lead `group`, or None when none is live.
 
-    The current leader competes only when it is live and merely restarted."""
+    The current leader competes only when it merely restarted. `heard_only`
+    leaves out voters given the post-election grace without a heartbeat."""
+    live = heard_live if heard_only else is_live
     best: tuple[tuple[int, int], int, str] | None = None
     for voter in group.voters:
-        if (voter == group.leader and not include_leader) or not is_live(soft, voter, now_ms, lease_ms):
+        if (voter == group.leader and not include_leader) or not live(soft, voter, now_ms, lease_ms):
             continue
         seen = soft.workers.get(voter)
         report = seen.groups.get(group.id) if seen is not None else None
@@ -349,9 +351,13 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
                 not (lead_report is not None and unusable(lead_report)) and not restarted:
             continue
-        candidate = failover_candidate(group, soft, now_ms, lease_ms)
-        if candidate is None and restarted:
-            candidate = failover_candidate(group, soft, now_ms, lease_ms, include_leader=True)
+        if restarted:
+            # Judged from a report, maybe right after a meta election: only
+            # voters that have reported too, the restarted one last.
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True) or \
+                failover_candidate(group, soft, now_ms, lease_ms, include_leader=True, heard_only=True)
+        else:
+            candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:
             continue
         if group.leader is None:

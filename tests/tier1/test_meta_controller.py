@@ -78,9 +78,15 @@ def test_a_leader_that_restarted_within_its_lease_is_failed_over() -> None:
         SetLeader(group=0, leader="w2", expect_term=5, reason="leader w1 holds term 5 as a follower (restarted)")]
     soft = _restart_soft(now, GroupReport(term=5, role="follower", last_term=5, last_seq=80))
     assert [(a.leader, a.expect_term) for a in decide(gs, soft, now, LEASE)] == [("w2", 5)]
-    # A report, not silence: no need to wait a lease after a meta election.
+    # A report, not silence: no need to wait a lease after a meta election...
     soft.leader_since_ms = now - 1
     assert [(a.leader, a.expect_term) for a in decide(gs, soft, now, LEASE)] == [("w2", 5)]
+    # ...but only voters that have reported are candidates: w2 and w3 are not heard yet.
+    fresh = SoftState(leader_since_ms=now - 1)
+    fresh.heard_from("w1", now, {0: GroupReport(term=5, role="follower", last_term=5, last_seq=80)})
+    assert [a.leader for a in decide(gs, fresh, now, LEASE)] == ["w1"]
+    fresh.heard_from("w3", now, {0: GroupReport(term=5, role="follower", last_term=5, last_seq=70)})
+    assert [a.leader for a in decide(gs, fresh, now, LEASE)] == ["w3"]
 
 
 def test_a_restarted_leader_with_nobody_else_live_leads_again_in_the_next_term() -> None:
