@@ -124,6 +124,11 @@ class WorkerNode:
             except (MetaError, MetaUnreachable) as exc:
                 self.log.warning("register_failed", error=str(exc))
                 await asyncio.sleep(0.5)
+        # Heartbeat before any group opens. Otherwise a slow starter reported
+        # its first group ready before meta leader had heard from it, looked
+        # silent (known since the topology was applied) and lost that group
+        # at once: seen on cold starts of `shardgrid dev`.
+        await self._beat()
 
     async def _watch(self) -> None:
         await self._register()
@@ -209,18 +214,23 @@ class WorkerNode:
             reports[str(gid)] = {"state": "corrupt", "error": why}
         return reports
 
+    def _lease_ms(self) -> int:
+        if self.view and self.view.get("topology"):
+            return int(self.view["topology"]["settings"]["lease_ms"])
+        return 1500
+
+    async def _beat(self) -> None:
+        try:
+            await self.meta.heartbeat(self.id, {"groups": self.group_reports(), "boot": self.boot},
+                                      deadline_s=self._lease_ms() / 2000)
+        except (MetaError, MetaUnreachable) as exc:
+            self.log.debug("heartbeat_failed", error=str(exc))
+
     async def _heartbeat(self) -> None:
         while True:
-            lease = 1500
-            if self.view and self.view.get("topology"):
-                lease = int(self.view["topology"]["settings"]["lease_ms"])
             if self.registered:
-                try:
-                    await self.meta.heartbeat(self.id, {"groups": self.group_reports(), "boot": self.boot},
-                                              deadline_s=lease / 2000)
-                except (MetaError, MetaUnreachable) as exc:
-                    self.log.debug("heartbeat_failed", error=str(exc))
-            await asyncio.sleep(max(0.05, lease / 5000))
+                await self._beat()
+            await asyncio.sleep(max(0.05, self._lease_ms() / 5000))
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""The worker process's dealings with meta (worker/process.py), against a fake meta client."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from worker.process import WorkerConfig, WorkerNode
+
+
+class _FakeMeta:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def register(self, wid: str, addr: str, zone: str | None) -> dict[str, Any]:
+        self.calls.append("register")
+        return {"ok": True}
+
+    async def heartbeat(self, wid: str, report: dict[str, Any], deadline_s: float = 1.0) -> dict[str, Any]:
+        self.calls.append("heartbeat")
+        return {"ok": True}
+
+    async def call(self, method: str, path: str, **kw: Any) -> Any:
+        self.calls.append(f"{method} {path}")
+        await asyncio.Event().wait()  # the view that would open groups never comes
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_worker_heartbeats_before_it_opens_any_group(tmp_path: Path) -> None:
+    """A slow starter used to report its first group ready before its first heartbeat:
+    meta took it for silent and failed that group over at once."""
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
+                      structlog.get_logger())
+    await node.meta.close()
+    fake = _FakeMeta()
+    node.meta = fake  # type: ignore[assignment]
+    watch = asyncio.create_task(node._watch())
+    try:
+        for _ in range(200):
+            if "GET /v1/cluster" in fake.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.calls[:3] == ["register", "heartbeat", "GET /v1/cluster"], fake.calls
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await node.transport.close()
