@@ -612,12 +612,16 @@ class Forwarder:
                 break
             again: list[int] = []
             decisions: set[Next] = set()
+            wid = target.wid
             for i, raw in zip(pending, items):
-                r = item_reply(raw, target, gid)
-                if r.ok:
-                    results[i] = {"shard": gid, "seq": r.seq, "term": r.term, "served_by": target.wid,
-                                  "result": r.result}
+                if type(raw) is dict and "error" not in raw:
+                    # item_reply's success case, inline: this runs for every write of a batch.
+                    seq, term = raw.get("seq"), raw.get("term")
+                    results[i] = {"shard": gid, "seq": seq if type(seq) is int else _int(seq),
+                                  "term": term if type(term) is int else _int(term), "served_by": wid,
+                                  "result": raw.get("result")}
                     continue
+                r = item_reply(raw, target, gid)
                 nxt = self._after_error(st, r, gid, target, write=True)
                 if nxt is Next.DONE:
                     body = r.body

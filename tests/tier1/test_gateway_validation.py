@@ -7,6 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.routes import batch_write
+from shardgrid.wire import ApiError
 from tests.tier1.test_gateway_fakes import make_fakes, start_gateway
 
 V4 = [0.1, 0.2, 0.3, 0.4]
@@ -116,3 +118,27 @@ async def test_good_inputs_at_the_limits_pass(env: Any) -> None:
         resp = await client.request(method, path, data=body, headers=headers)
         assert resp.status == 200, (path[:40], await resp.text())
     assert f.calls()
+
+
+_BATCH_PUTS: list[Any] = [
+    {"op": "put_item", "id": "x" * 256, "doc": {"v": 1}},  # the id limit exactly
+    {"op": "put_item", "id": "x" * 257, "doc": 1},
+    {"op": "put_item", "id": "", "doc": 1},
+    {"op": "put_item", "id": "é" * 128, "doc": 1},  # 256 bytes of UTF-8, not ASCII
+    {"op": "put_item", "id": "é" * 129, "doc": 1},
+    {"op": "put_item", "id": 5, "doc": 1},
+    {"op": "put_item", "id": "a", "doc": 1, "x": 2},
+    {"op": "put_item", "id": "a"},
+    ["put_item", "a", 1],
+]
+
+
+@pytest.mark.parametrize("item", _BATCH_PUTS, ids=range(len(_BATCH_PUTS)))
+def test_batch_put_fast_path_agrees_with_the_general_checks(item: Any) -> None:
+    # raw_len=None forces every check of the general path (the fast one needs a small body).
+    def outcome(raw_len: int | None) -> Any:
+        try:
+            return batch_write(item, 3, 4, raw_len)
+        except ApiError as exc:
+            return exc.message
+    assert outcome(100) == outcome(None)

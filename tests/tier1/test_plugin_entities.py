@@ -147,6 +147,38 @@ def test_doc_size_limit_is_on_the_json_encoding() -> None:
         p.validate({"kind": "put_item", "id": "a", "doc": fits + "x"})
 
 
+_PUTS = [
+    {"kind": "put_item", "id": "a" * 16, "doc": {"v": "x"}},  # the id limit exactly
+    {"kind": "put_item", "id": "a" * 17, "doc": 1},  # one over it
+    {"kind": "put_item", "id": "", "doc": 1},
+    {"kind": "put_item", "id": "é", "doc": 1},  # not ASCII: the general path counts UTF-8 bytes
+    {"kind": "put_item", "id": "é" * 9, "doc": 1},  # 9 characters, 18 bytes
+    {"kind": "put_item", "id": "\ud800", "doc": 1},  # a lone surrogate
+    {"kind": "put_item", "id": 7, "doc": 1},
+    {"kind": "put_item", "id": "a", "doc": "x" * 61},  # 63 bytes of JSON: over the doc limit
+    {"kind": "put_item", "id": "a", "doc": float("nan")},
+    {"kind": "put_item", "id": "a", "doc": {1: 2}},  # orjson refuses non-str keys
+    {"kind": "put_item", "id": "a", "doc": 1, "extra": 2},
+    {"kind": "put_item", "id": "a"},
+]
+
+
+@pytest.mark.parametrize("op", _PUTS, ids=range(len(_PUTS)))
+def test_validate_fast_path_for_puts_agrees_with_the_general_parse(op: dict[str, Any]) -> None:
+    p = make(max_id_len=16, max_item_bytes=62)
+    general: str | None = None
+    try:
+        p._parse(op, limits=True)
+    except BadOp as exc:
+        general = exc.message
+    fast: str | None = None
+    try:
+        p.validate(op)
+    except BadOp as exc:
+        fast = exc.message
+    assert fast == general
+
+
 # ---------------------------------------------------------------- signals
 
 

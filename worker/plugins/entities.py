@@ -426,6 +426,13 @@ class EntitiesPlugin:
     # -- ops
 
     def validate(self, op: dict[str, Any]) -> None:
+        # The most common op, with the checks _parse(limits=True) makes on it:
+        # the leader runs this for every write it takes.
+        if type(op) is dict and op.get("kind") == "put_item" and op.keys() == _PUT_KEYS:
+            id = op["id"]
+            if type(id) is str and 0 < len(id) <= self.settings.max_id_len and id.isascii():
+                _doc(op["doc"], "put_item: doc", self.settings.max_item_bytes)
+                return
         self._parse(op, limits=True)
 
     def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
