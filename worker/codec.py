@@ -48,7 +48,10 @@ def decode_entry(raw: list[Any]) -> m.Entry:
 
 
 def encode_snapshot_meta(s: m.SnapshotMeta) -> dict[str, Any]:
-    return {"term": s.term, "seq": s.seq, "dedup": [list(t) for t in s.dedup], "config": encode_config(s.config),
+    # The dedup triples as they are: msgpack packs a tuple as the array a list
+    # would make (the same bytes), and copying up to dedup_max of them into
+    # lists stalled the loop at every snapshot point.
+    return {"term": s.term, "seq": s.seq, "dedup": s.dedup, "config": encode_config(s.config),
             "config_seq": s.config_seq, "ts": s.ts}
 
 

@@ -50,6 +50,10 @@ def test_entries_and_snapshot_meta_round_trip() -> None:
         assert decode_entry(unpackb(packb(encode_entry(e)))) == e
     meta = m.SnapshotMeta(3, 12, (("rid-1", 11, 6),), m.Config(("w1",), ()), 12, 7)
     assert decode_snapshot_meta(unpackb(packb(encode_snapshot_meta(meta)))) == meta
+    # On disk (snapshot headers) the dedup triples are arrays, exactly as when
+    # they were copied into lists first: archives written before read the same.
+    as_lists = {**encode_snapshot_meta(meta), "dedup": [["rid-1", 11, 6]]}
+    assert packb(encode_snapshot_meta(meta)) == packb(as_lists)
 
 
 def test_unknown_type_is_rejected() -> None:
