@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from worker.replica_msgs import Entry, entry_rids
+from worker.replica_msgs import Entry
 
 
 class DedupTable:
@@ -48,20 +48,29 @@ class DedupTable:
         if entry.ts > self._newest_ts:
             self._newest_ts = entry.ts
         if entry.rid is not None:
-            for rid in entry_rids(entry):
-                # A rid seen again (only possible after it expired) moves to the
-                # young end, keeping "first is oldest" true.
-                self._by_rid.pop(rid, None)
-                self._by_rid[rid] = (entry.seq, entry.ts)
+            # entry_rids() inline, and one (seq, ts) for all of the entry's
+            # rids: this runs on every replica for every write of a batch.
+            kind = entry.kind
+            rids = (entry.rid,) if kind == "op" else entry.rid if kind == "ops" else ()
+            by_rid = self._by_rid
+            at = (entry.seq, entry.ts)
+            for rid in rids:
+                if rid is None:
+                    continue
+                if rid in by_rid:
+                    # Applied again: to the young end, keeping "first is oldest" true.
+                    by_rid.move_to_end(rid)
+                by_rid[rid] = at
         self._expire()
 
     def _expire(self) -> None:
-        cutoff = self._newest_ts - self._window
+        # The oldest go first, for the bound and then for the window: the
+        # same entries as testing both conditions on each first entry in turn.
         by_rid = self._by_rid
-        while by_rid:
-            rid = next(iter(by_rid))
-            if len(by_rid) <= self._max and by_rid[rid][1] >= cutoff:
-                break
+        for _ in range(len(by_rid) - self._max):
+            by_rid.popitem(last=False)
+        cutoff = self._newest_ts - self._window
+        while by_rid and by_rid[next(iter(by_rid))][1] < cutoff:
             by_rid.popitem(last=False)
 
     def export(self) -> tuple[tuple[str, int, int], ...]:

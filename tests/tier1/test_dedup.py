@@ -1,0 +1,66 @@
+"""The request-id table (worker/dedup.py) against a one-rid-at-a-time model of its rules."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.dedup import DedupTable
+from worker.replica_msgs import Entry
+
+
+class _Model:
+    """The rules spelled out: each rid of each entry in turn moves to the young
+    end; then, while the table is over its bound or its oldest rid is older
+    than the window, the oldest goes."""
+
+    def __init__(self, window_ms: int, max_entries: int) -> None:
+        self.window, self.max = window_ms, max_entries
+        self.by_rid: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.newest = 0
+
+    def apply(self, e: Entry) -> None:
+        self.newest = max(self.newest, e.ts)
+        rids: tuple[Any, ...] = {"op": (e.rid,), "ops": e.rid or ()}.get(e.kind, ())
+        for rid in rids:
+            if rid is not None:
+                self.by_rid.pop(rid, None)
+                self.by_rid[rid] = (e.seq, e.ts)
+        while self.by_rid:
+            first = next(iter(self.by_rid))
+            if len(self.by_rid) <= self.max and self.by_rid[first][1] >= self.newest - self.window:
+                break
+            del self.by_rid[first]
+
+    def export(self) -> tuple[tuple[str, int, int], ...]:
+        return tuple((rid, seq, ts) for rid, (seq, ts) in self.by_rid.items())
+
+
+_RIDS = st.one_of(st.none(), st.sampled_from([f"r{i}" for i in range(12)]))
+_ENTRY = st.one_of(
+    st.tuples(st.just("op"), _RIDS),
+    st.tuples(st.just("ops"), st.lists(_RIDS, min_size=1, max_size=6).map(tuple)),
+    st.tuples(st.sampled_from(["config", "none"]), st.none()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(window=st.integers(0, 40), bound=st.integers(1, 8),
+       steps=st.lists(st.tuples(_ENTRY, st.integers(0, 15)), max_size=40))
+def test_table_follows_the_rules_for_any_log(window: int, bound: int, steps: list[Any]) -> None:
+    table, model = DedupTable(window, bound), _Model(window, bound)
+    ts = 0
+    for seq, ((kind, rid), gap) in enumerate(steps, start=1):
+        ts += gap  # entry timestamps never decrease along the log
+        e = Entry(1, seq, kind, None if kind != "ops" else (None,) * len(rid), rid, ts)
+        table.apply(e)
+        model.apply(e)
+        assert table.export() == model.export()
+        assert table.newest_ts == model.newest
+        for r in [f"r{i}" for i in range(12)]:
+            hit = model.by_rid.get(r)
+            assert table.lookup(r) == (None if hit is None else hit[0])
+    restored = DedupTable(window, bound, table.export(), table.newest_ts)
+    assert restored.export() == table.export()
