@@ -622,6 +622,9 @@ class Forwarder:
                                   "result": raw.get("result")}
                     continue
                 r = item_reply(raw, target, gid)
+                if r.ok:
+                    results[i] = {"shard": gid, "seq": r.seq, "term": r.term, "served_by": wid, "result": r.result}
+                    continue
                 nxt = self._after_error(st, r, gid, target, write=True)
                 if nxt is Next.DONE:
                     body = r.body

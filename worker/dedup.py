@@ -67,8 +67,10 @@ class DedupTable:
         # The oldest go first, for the bound and then for the window: the
         # same entries as testing both conditions on each first entry in turn.
         by_rid = self._by_rid
-        for _ in range(len(by_rid) - self._max):
+        excess = len(by_rid) - self._max
+        while excess > 0 and by_rid:
             by_rid.popitem(last=False)
+            excess -= 1
         cutoff = self._newest_ts - self._window
         while by_rid and by_rid[next(iter(by_rid))][1] < cutoff:
             by_rid.popitem(last=False)

@@ -142,3 +142,10 @@ def test_batch_put_fast_path_agrees_with_the_general_checks(item: Any) -> None:
         except ApiError as exc:
             return exc.message
     assert outcome(100) == outcome(None)
+
+
+def test_batch_put_fast_path_leaves_large_bodies_to_the_doc_size_check() -> None:
+    # A body this large could hold a doc over the limit: the general path measures it.
+    item = {"op": "put_item", "id": "a", "doc": "x" * (1 << 20)}
+    with pytest.raises(ApiError, match="the limit is"):
+        batch_write(item, 0, 4, (1 << 20) + 40)
