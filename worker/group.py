@@ -452,6 +452,8 @@ class GroupShell:
                 self._apply(eff.entries)
             elif isinstance(eff, m.Reply):
                 self._reply(eff)
+            elif isinstance(eff, m.ReplyMany):
+                self._reply_many(eff)
             elif isinstance(eff, m.ServeRead):
                 self._serve_read(eff)
             elif isinstance(eff, m.SetTimer):
@@ -597,11 +599,37 @@ class GroupShell:
     def _reply_batched(self, r: m.Reply, batch: "_BatchWait", i: int) -> None:
         batch.results[i] = self._outcome_of(r)
         batch.left -= 1
-        if batch.left == 0 and not batch.fut.done():
-            acked = sum(1 for o in batch.results if isinstance(o, Outcome) and o.ok)
-            if acked:
-                self.latency.observe((time.perf_counter() - batch.started) * 1000, acked)
-            batch.fut.set_result(None)
+        if batch.left == 0:
+            self._batch_done(batch)
+
+    def _reply_many(self, r: m.ReplyMany) -> None:
+        """Each write's outcome from its place in the "ops" entry (what
+        `_outcome_of` makes of the equivalent Replies, one lookup for all)."""
+        held = self._results.get(r.seq)
+        items = held.items if isinstance(held, _Results) else ()
+        n = len(items)
+        batched = self._batched
+        for i, req in enumerate(r.reqs):
+            slot = batched.pop(req, None)
+            if slot is None:
+                continue  # its caller has given up
+            batch, j = slot
+            result = items[i] if i < n else None
+            if isinstance(result, _ApplyError):
+                batch.results[j] = Outcome(False, r.seq, r.term, result.code, message=result.message)
+            else:
+                batch.results[j] = Outcome(True, r.seq, r.term, result=result)
+            batch.left -= 1
+            if batch.left == 0:
+                self._batch_done(batch)
+
+    def _batch_done(self, batch: "_BatchWait") -> None:
+        if batch.fut.done():
+            return
+        acked = sum(1 for o in batch.results if isinstance(o, Outcome) and o.ok)
+        if acked:
+            self.latency.observe((time.perf_counter() - batch.started) * 1000, acked)
+        batch.fut.set_result(None)
 
     def _outcome_of(self, r: m.Reply) -> Outcome:
         if not r.ok:

@@ -128,6 +128,7 @@ from worker.replica_msgs import (
     RefreshMeta,
     ReplicaConfig,
     Reply,
+    ReplyMany,
     ReportReady,
     Send,
     ServeRead,
@@ -168,12 +169,13 @@ class _Progress:
 
 @dataclass(slots=True)
 class _WriteWaiter:
-    req: Any
+    req: Any  # with `many`, a tuple: the reqs of positions 0.. of the "ops" entry at seq
     seq: int
     ack: str
     deadline: int
     done: bool = False
     idx: int | None = None
+    many: bool = False
 
 
 @dataclass(slots=True)
@@ -612,7 +614,7 @@ class Replica:
         for w in lead.waiter_deadlines:
             if not w.done:
                 w.done = True
-                self._reply_error(w.req, QUORUM_TIMEOUT, new_leader)
+                self._fail_waiter(w, QUORUM_TIMEOUT, new_leader)
         for r in (*lead.round_reads, *lead.next_reads, *lead.confirmed_reads):
             self._reply_error(r.req, NOT_LEADER, new_leader)
 
@@ -1246,8 +1248,7 @@ class Replica:
             return
         self._leader_append(Entry(self._term, seq, "ops", tuple(f[1] for f in fresh), tuple(f[2] for f in fresh),
                                   self._next_ts()))
-        for i, (req, _, _) in enumerate(fresh):
-            self._await(req, seq, w.ack, i)
+        self._await(tuple(f[0] for f in fresh), seq, w.ack, many=True)
         for req, i in later:
             self._await(req, seq, w.ack, i)
 
@@ -1268,14 +1269,16 @@ class Replica:
         self._replicate_all()
         self._persist(entries=[e])
 
-    def _await(self, req: Any, seq: int, ack: str, idx: int | None = None) -> None:
+    def _await(self, req: Any, seq: int, ack: str, idx: int | None = None, many: bool = False) -> None:
+        """Answer `req` once the entry at `seq` is durable as `ack` asks; with
+        `many`, `req` is the tuple of reqs at positions 0.. of that entry."""
         lead = self._lead
         assert lead is not None
         if ack == "leader":
             # Our copy is durable once the Persist above is performed.
-            self._out.append(Reply(req, True, seq, self._term, None, self._id, idx))
+            self._finish_write(_WriteWaiter(req, seq, ack, 0, idx=idx, many=many))
             return
-        w = _WriteWaiter(req, seq, ack, self._now + self._cfg.quorum_timeout_ms, idx=idx)
+        w = _WriteWaiter(req, seq, ack, self._now + self._cfg.quorum_timeout_ms, idx=idx, many=many)
         if seq in lead.waiters:
             lead.waiters[seq].append(w)
         else:
@@ -1309,7 +1312,14 @@ class Replica:
 
     def _finish_write(self, w: _WriteWaiter) -> None:
         w.done = True
-        self._out.append(Reply(w.req, True, w.seq, self._term, None, self._id, w.idx))
+        if w.many:
+            self._out.append(ReplyMany(w.req, w.seq, self._term, self._id))
+        else:
+            self._out.append(Reply(w.req, True, w.seq, self._term, None, self._id, w.idx))
+
+    def _fail_waiter(self, w: _WriteWaiter, code: str, leader: str | None) -> None:
+        for req in w.req if w.many else (w.req,):
+            self._reply_error(req, code, leader)
 
     def _expire_writes(self) -> None:
         lead = self._lead
@@ -1319,7 +1329,7 @@ class Replica:
             w = q.popleft()
             if not w.done:
                 w.done = True
-                self._reply_error(w.req, QUORUM_TIMEOUT, self._id)
+                self._fail_waiter(w, QUORUM_TIMEOUT, self._id)
 
     # ------------------------------------------------------------------
     # Reads

@@ -347,6 +347,19 @@ class Reply:
 
 
 @dataclass(slots=True, frozen=True)
+class ReplyMany:
+    """The success of the fresh writes of one ClientWriteMany, all in the "ops"
+    entry at `seq`: the same as `Reply(reqs[i], True, seq, term, None, leader, i)`
+    for each i, as one effect (a batch costs one waiter and one reply, not one
+    per write)."""
+
+    reqs: tuple[Any, ...]
+    seq: int
+    term: int
+    leader: str | None
+
+
+@dataclass(slots=True, frozen=True)
 class ServeRead:
     """Run the query now: applied_seq >= at_seq already holds."""
 
@@ -402,6 +415,6 @@ class DownloadSnapshot:
 
 
 Effect: TypeAlias = (
-    Persist | Send | Apply | Reply | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer | DownloadSnapshot
+    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer | DownloadSnapshot
     | TakeSnapshot
 )

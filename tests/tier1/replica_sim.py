@@ -86,6 +86,7 @@ from worker.replica_msgs import (
     RefreshMeta,
     ReplicaConfig,
     Reply,
+    ReplyMany,
     ReportReady,
     Send,
     ServeRead,
@@ -448,6 +449,10 @@ class Sim:
                     self.isolate(node.name)
             elif t is Reply:
                 self.on_reply(node, eff)
+            elif t is ReplyMany:
+                # One effect for a batch: checked as the Replies it stands for.
+                for i, req in enumerate(eff.reqs):
+                    self.on_reply(node, Reply(req, True, eff.seq, eff.term, None, eff.leader, i))
             elif t is ServeRead:
                 self.on_serve(node, r, eff)
             elif t is SetTimer:

@@ -79,6 +79,17 @@ async def test_writes_submitted_together_share_an_entry_and_get_their_own_result
     assert shell.replica is not None and shell.replica.last_seq == out[0].seq
 
 
+async def test_an_op_refused_at_apply_fails_alone_in_its_batch(shell: GroupShell) -> None:
+    def incr(v: int) -> dict[str, Any]:
+        return {"kind": "signal", "entity": "e", "name": "n", "value": v, "mode": "incr"}
+    [first] = await shell.write_many([(incr(2**63 - 1), "s0")], "quorum", 5.0)
+    assert first.ok
+    out = await shell.write_many([(put(5), "s1"), (incr(1), "s2"), (put(6), "s3")], "quorum", 5.0)
+    assert [o.ok for o in out] == [True, False, True] and len({o.seq for o in out}) == 1
+    assert out[0].result == {"id": "k5", "created": True} and out[2].result == {"id": "k6", "created": True}
+    assert out[1].error_code == "bad_request" and "int64" in (out[1].message or "")
+
+
 async def test_each_wal_fsync_is_reported_with_its_duration(shell: GroupShell) -> None:
     # The worker's shardgrid_wal_sync_seconds histogram: where disk stalls show.
     seen: list[float] = []

@@ -35,6 +35,7 @@ from worker.replica_msgs import (
     Persist,
     ReplicaConfig,
     Reply,
+    ReplyMany,
     ReportReady,
     Send,
     ServeRead,
@@ -93,6 +94,16 @@ class Net:
 
     def of(self, node: str, kind: type) -> list[Any]:
         return [e for e in self.effects[node] if isinstance(e, kind)]
+
+    def replies(self, node: str) -> list[Reply]:
+        """Every Reply, with each ReplyMany as the Replies it stands for."""
+        out: list[Reply] = []
+        for e in self.effects[node]:
+            if isinstance(e, Reply):
+                out.append(e)
+            elif isinstance(e, ReplyMany):
+                out.extend(Reply(req, True, e.seq, e.term, None, e.leader, i) for i, req in enumerate(e.reqs))
+        return out
 
     def sent(self, kind: type) -> list[Any]:
         return [m for effs in self.effects.values() for e in effs if isinstance(e, Send) for m in [e.msg] if isinstance(m, kind)]
@@ -430,9 +441,11 @@ def test_writes_submitted_together_share_one_ops_entry_and_keep_their_rids() -> 
     entries = net.r["b"].entries(1, 99)
     assert [e.kind for e in entries] == ["term_start", "op", "ops"]
     assert entries[2].data == ("y", "z", "q") and entries[2].rid == ("r1", "r2", None)
-    replies = {r.req: r for r in net.of("a", Reply)}
+    replies = {r.req: r for r in net.replies("a")}
     assert replies["m0"] == Reply("m0", True, 2, 1, None, "a")  # answered from the dedup table
     assert [(replies[k].seq, replies[k].idx) for k in ("m1", "m2", "m3", "m4")] == [(3, 0), (3, 1), (3, 1), (3, 2)]
+    # the fresh writes, in entry order, are answered by one effect; the repeated rid by its own Reply
+    assert net.of("a", ReplyMany) == [ReplyMany(("m1", "m2", "m4"), 3, 1, "a")]
     # each rid of the ops entry is remembered, here and on a new leader
     out = net.do("a", ClientWrite("again", "y", rid="r1"))
     assert out[0] == Reply("again", True, 3, 1, None, "a", 0) and net.r["a"].last_seq == 3  # its place in the entry
@@ -440,7 +453,7 @@ def test_writes_submitted_together_share_one_ops_entry_and_keep_their_rids() -> 
     net.run()
     out = net.do("b", ClientWriteMany(("b1", "b2"), ("z", "new"), "quorum", ("r2", "r9")))
     net.run()
-    replies = {r.req: r for r in net.of("b", Reply)}
+    replies = {r.req: r for r in net.replies("b")}
     assert replies["b1"].seq == 3 and replies["b2"].seq == net.r["b"].last_seq > 3
     assert net.r["b"].entries(net.r["b"].last_seq, net.r["b"].last_seq)[0].kind == "op"  # one fresh write: a plain op
 
@@ -512,6 +525,39 @@ def test_quorum_timeout() -> None:
     assert not net.of("a", Reply)
     net.tick(1)
     assert net.of("a", Reply) == [Reply("w", False, 0, 1, "quorum_timeout", "a")]
+
+
+def test_a_batch_waits_as_one_and_fails_write_by_write() -> None:
+    reqs, rids = ("m0", "m1", "m2"), ("r0", "r1", "r2")
+    # ack=leader: answered as soon as the entry is persisted, one effect for the batch
+    net = ready_net()
+    out = net.do("a", ClientWriteMany(reqs, ("x", "y", "z"), "leader", rids))
+    kinds = [type(e).__name__ for e in out]
+    assert kinds.index("Persist") < kinds.index("ReplyMany") and net.of("a", Reply) == []
+    assert net.of("a", ReplyMany) == [ReplyMany(reqs, 2, 1, "a")]
+    # ack=all: not before the last voter has it
+    net = ready_net()
+    net.drop = lambda m: m.dst == "c"
+    net.do("a", ClientWriteMany(reqs, ("x", "y", "z"), "all", rids))
+    net.run()
+    assert net.r["a"].commit_seq == 2 and net.replies("a") == []
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert net.of("a", ReplyMany) == [ReplyMany(reqs, 2, 1, "a")]
+    # no quorum: each write of the batch times out on its own
+    net = ready_net()
+    net.drop = lambda m: m.src != "a"
+    net.do("a", ClientWriteMany(reqs, ("x", "y", "z"), "quorum", rids))
+    net.run()
+    net.tick(CFG.quorum_timeout_ms)
+    assert net.replies("a") == [Reply(q, False, 0, 1, "quorum_timeout", "a") for q in reqs]
+    # the leader steps down with a batch pending: each write gets an unknown outcome
+    net = ready_net()
+    net.drop = lambda m: True
+    net.do("a", ClientWriteMany(reqs, ("x", "y", "z"), "quorum", rids))
+    out = net.do("a", StaleTerm(src="b", dst="a", group=0, term=5))
+    assert [e for e in out if isinstance(e, Reply)] == [Reply(q, False, 0, 1, "quorum_timeout", None) for q in reqs]
 
 
 def test_not_leader_carries_hint() -> None:
