@@ -62,7 +62,7 @@ dedup.py), derived from the applied log and the snapshot, remembers
 rid -> seq.  A write whose rid is applied is answered with its original seq;
 one whose rid is pending in the log is attached to that entry.  Writes that
 arrive together (ClientWriteMany) share one "ops" entry, which carries one
-rid per op.
+rid per op; they wait as one and succeed as one ReplyMany.
 
 Membership
 ----------

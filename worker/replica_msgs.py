@@ -247,8 +247,10 @@ class ClientWrite:
 @dataclass(slots=True, frozen=True)
 class ClientWriteMany:
     """Several writes at once: those not already known by rid become ONE
-    entry; each gets its own Reply (for `reqs[i]`, with `idx` its position
-    in that entry)."""
+    entry, answered together by one ReplyMany on success (or, with one
+    write only, a plain "op" entry and a Reply); a write whose rid is
+    already applied or pending gets its own Reply (with `idx` its position
+    in the entry that holds it). Failures are Replies, write by write."""
 
     reqs: tuple[Any, ...]
     ops: tuple[Any, ...]
