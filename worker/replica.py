@@ -62,7 +62,7 @@ dedup.py), derived from the applied log and the snapshot, remembers
 rid -> seq.  A write whose rid is applied is answered with its original seq;
 one whose rid is pending in the log is attached to that entry.  Writes that
 arrive together (ClientWriteMany) share one "ops" entry, which carries one
-rid per op; they wait as one and succeed as one ReplyMany.
+rid per op; those new to the log wait as one and succeed as one ReplyMany.
 
 Membership
 ----------
@@ -1239,12 +1239,12 @@ class Replica:
         if not fresh:
             return
         seq = self.last_seq + 1
-        if len(fresh) == 1:
+        if len(fresh) == 1 and not later:
+            # A plain op; with the same rid repeated in the batch, an "ops"
+            # entry of one instead, whose result the shell keeps for each.
             req, op, rid = fresh[0]
             self._leader_append(Entry(self._term, seq, "op", op, rid, self._next_ts()))
             self._await(req, seq, w.ack)
-            for req, _ in later:
-                self._await(req, seq, w.ack)
             return
         self._leader_append(Entry(self._term, seq, "ops", tuple(f[1] for f in fresh), tuple(f[2] for f in fresh),
                                   self._next_ts()))

@@ -314,6 +314,7 @@ class Sim:
         # checker state
         self.C: list[int] = [0]  # committed prefix hashes, C[seq]
         self.C_rid: list[tuple[str, ...]] = [()]
+        self.answered: set[tuple[str, Any]] = set()  # (node, req) of every write reply
         self.C_term: list[int] = [0]
         self.rid_seq: dict[str, int] = {}
         self.known: dict[tuple[int, int], int] = {}
@@ -892,17 +893,24 @@ class Sim:
         elif kind == "r":
             self.reads[i].done = True
             self.stats[f"read_{rep.error_code}"] += 1
+        elif kind == "m":
+            self.stats[f"membership_{rep.error_code or 'ok'}"] += 1  # no bookkeeping needed
         else:
-            self.stats[f"membership_{rep.error_code or 'ok'}"] += 1
-        # membership / other replies need no bookkeeping
+            self.fail(f"{node.name} answered a request the simulation never made: {rep.req!r}")
 
     def on_write_reply(self, node: Node, w: WriteOp, rep: Reply) -> None:
         self.stats[f"write_{rep.error_code or 'ok_' + w.ack}"] += 1
+        if (node.name, rep.req) in self.answered:
+            self.fail(f"{node.name} answered {rep.req!r} twice")
+        self.answered.add((node.name, rep.req))
         if rep.ok:
             if w.ack != "leader":
                 s = rep.seq
                 if s >= len(self.C) or w.rid not in self.C_rid[s]:
                     self.fail(f"{node.name} acknowledged {w.rid}@{s} which is not committed there")
+                if rep.idx is not None and (rep.idx >= len(self.C_rid[s]) or self.C_rid[s][rep.idx] != w.rid):
+                    self.fail(f"{node.name} acknowledged {w.rid}@{s} at position {rep.idx}, "
+                              f"where the entry holds {self.C_rid[s]}")
                 prev = self.acked.setdefault(w.rid, s)
                 if prev != s:
                     self.fail(f"{w.rid} acknowledged at {prev} and at {s}")

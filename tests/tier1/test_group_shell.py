@@ -79,6 +79,11 @@ async def test_writes_submitted_together_share_an_entry_and_get_their_own_result
     assert shell.replica is not None and shell.replica.last_seq == out[0].seq
 
 
+async def test_a_rid_repeated_in_a_batch_gets_the_result_each_time(shell: GroupShell) -> None:
+    out = await shell.write_many([(put(1), "r1"), (put(1), "r1")], "quorum", 5.0)
+    assert [o.result for o in out] == [{"id": "k1", "created": True}] * 2 and out[0].seq == out[1].seq
+
+
 async def test_an_op_refused_at_apply_fails_alone_in_its_batch(shell: GroupShell) -> None:
     def incr(v: int) -> dict[str, Any]:
         return {"kind": "signal", "entity": "e", "name": "n", "value": v, "mode": "incr"}
