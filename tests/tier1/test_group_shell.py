@@ -79,6 +79,15 @@ async def test_writes_submitted_together_share_an_entry_and_get_their_own_result
     assert shell.replica is not None and shell.replica.last_seq == out[0].seq
 
 
+async def test_acknowledged_writes_are_counted_once_per_batch_in_the_latency_stats(shell: GroupShell) -> None:
+    # What meta's heartbeat and /v1/status report as the group's writes and latency.
+    before = (shell.latency.writes, len(shell.latency.samples))
+    out = await shell.write_many([(put(1), "a1"), ({"kind": "nope"}, "a2"), (put(2), "a3")], "quorum", 5.0)
+    assert not isinstance(out[0], BadOp) and isinstance(out[1], BadOp)
+    assert (shell.latency.writes, len(shell.latency.samples)) == (before[0] + 2, before[1] + 1)
+    assert shell.latency.samples[-1] > 0
+
+
 async def test_a_rid_repeated_in_a_batch_gets_the_result_each_time(shell: GroupShell) -> None:
     out = await shell.write_many([(put(1), "r1"), (put(1), "r1")], "quorum", 5.0)
     assert [o.result for o in out] == [{"id": "k1", "created": True}] * 2 and out[0].seq == out[1].seq
