@@ -247,8 +247,8 @@ class ClientWrite:
 @dataclass(slots=True, frozen=True)
 class ClientWriteMany:
     """Several writes at once: those not already known by rid become ONE
-    entry, answered together by one ReplyMany on success (or, with one
-    write only, a plain "op" entry and a Reply); a write whose rid is
+    entry, answered together by one ReplyMany on success (or, with one new
+    write and no rid repeated, a plain "op" entry and a Reply); a write whose rid is
     already applied or pending gets its own Reply (with `idx` its position
     in the entry that holds it). Failures are Replies, write by write."""
 
@@ -417,6 +417,6 @@ class DownloadSnapshot:
 
 
 Effect: TypeAlias = (
-    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer | DownloadSnapshot
-    | TakeSnapshot
+    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer
+    | DownloadSnapshot | TakeSnapshot
 )
