@@ -165,11 +165,18 @@ class WorkerCalls:
             link = self._links[target.base] = _Link(target.base, self.session)
         st = link.live()
         if st is None:
+            # Opening the stream spends the call's budget: what is left after
+            # it is what the call may wait, or the answer comes after the deadline.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + timeout_s
             try:
                 st = await asyncio.wait_for(link.open(), min(timeout_s, CONNECT_TIMEOUT_S))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
                 raise AttemptFailed("refused", False,
                                     f"{target.wid} unreachable ({type(exc).__name__}: {exc})") from None
+            timeout_s = end - loop.time()
+            if timeout_s <= 0:
+                raise AttemptFailed("timeout", False, f"opening the stream to {target.wid} took the whole budget")
         cid, fut = link.submit(st, op, gid, body)
         # A timer on the call's own future, not wait_for (an extra future and
         # callbacks per call).

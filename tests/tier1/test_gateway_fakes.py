@@ -51,6 +51,7 @@ class FakeWorker:
         self.embeddings: dict[tuple[int, str], list[float]] = {}
         self.search_hits: dict[int, list[dict[str, Any]]] = {}
         self.seq = 0
+        self.handshake_delay_s = 0.0  # before accepting a call stream (a slow or busy worker)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -68,6 +69,8 @@ class FakeWorker:
     async def _calls(self, request: web.Request) -> web.WebSocketResponse:
         """The call stream the gateway uses: frames of `[id, op, gid, body]` in, of `[id, status, body]` out."""
         ws = web.WebSocketResponse()
+        if self.handshake_delay_s:
+            await asyncio.sleep(self.handshake_delay_s)
         await ws.prepare(request)
         tasks: set[asyncio.Task[None]] = set()
 
