@@ -615,25 +615,27 @@ class Forwarder:
             wid = target.wid
             for i, raw in zip(pending, items):
                 if type(raw) is dict and "error" not in raw:
-                    # item_reply's success case, inline: this runs for every write of a batch.
-                    seq, term = raw.get("seq"), raw.get("term")
-                    results[i] = {"shard": gid, "seq": seq if type(seq) is int else _int(seq),
-                                  "term": term if type(term) is int else _int(term), "served_by": wid,
-                                  "result": raw.get("result")}
-                    continue
-                r = item_reply(raw, target, gid)
-                if r.ok:
-                    results[i] = {"shard": gid, "seq": r.seq, "term": r.term, "served_by": wid, "result": r.result}
-                    continue
-                nxt = self._after_error(st, r, gid, target, write=True)
-                if nxt is Next.DONE:
-                    body = r.body
-                    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-                        body["error"].setdefault("shard", gid)
-                    results[i] = body
+                    # item_reply's success case without a WorkerReply: this runs for every write of a batch.
+                    seq, term, result = raw.get("seq"), raw.get("term"), raw.get("result")
+                    if type(seq) is not int:
+                        seq = _int(seq)
+                    if type(term) is not int:
+                        term = _int(term)
                 else:
-                    again.append(i)
-                    decisions.add(nxt)
+                    r = item_reply(raw, target, gid)
+                    if not r.ok:
+                        nxt = self._after_error(st, r, gid, target, write=True)
+                        if nxt is Next.DONE:
+                            body = r.body
+                            if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                                body["error"].setdefault("shard", gid)
+                            results[i] = body
+                        else:
+                            again.append(i)
+                            decisions.add(nxt)
+                        continue
+                    seq, term, result = r.seq, r.term, r.result
+                results[i] = {"shard": gid, "seq": seq, "term": term, "served_by": wid, "result": result}
             pending = again
             if pending:
                 # The most cautious decision of the items wins: refresh > backoff > retry now.

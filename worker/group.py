@@ -614,11 +614,7 @@ class GroupShell:
             if slot is None:
                 continue  # its caller has given up
             batch, j = slot
-            result = items[i] if i < n else None
-            if isinstance(result, _ApplyError):
-                batch.results[j] = Outcome(False, r.seq, r.term, result.code, message=result.message)
-            else:
-                batch.results[j] = Outcome(True, r.seq, r.term, result=result)
+            batch.results[j] = _applied(r.seq, r.term, items[i] if i < n else None)
             batch.left -= 1
             if batch.left == 0:
                 self._batch_done(batch)
@@ -634,10 +630,7 @@ class GroupShell:
     def _outcome_of(self, r: m.Reply) -> Outcome:
         if not r.ok:
             return Outcome(False, r.seq, r.term, r.error_code, r.leader)
-        result = self._result_for(r)
-        if isinstance(result, _ApplyError):
-            return Outcome(False, r.seq, r.term, result.code, message=result.message)
-        return Outcome(True, r.seq, r.term, result=result)
+        return _applied(r.seq, r.term, self._result_for(r))
 
     def _fail_all(self, why: str) -> None:
         """Answer everything the core took and will not answer now. Writes and
@@ -796,6 +789,13 @@ class _BatchWait:
     results: list[Any]
     started: float
     left: int = 0
+
+
+def _applied(seq: int, term: int, result: Any) -> Outcome:
+    """The outcome of a committed write, from what the plugin's apply gave."""
+    if isinstance(result, _ApplyError):
+        return Outcome(False, seq, term, result.code, message=result.message)
+    return Outcome(True, seq, term, result=result)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

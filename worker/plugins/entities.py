@@ -230,6 +230,17 @@ def _doc(value: Any, where: str, max_bytes: int | None) -> bytes:
     return encoded
 
 
+def _plain_put_id(op: Any, max_len: int | None) -> str | None:
+    """The id of a put_item that passes _parse's shape and id checks (an ASCII
+    id of 1..max_len characters), without building a parsed op; None when the
+    general path must decide."""
+    if type(op) is dict and op.get("kind") == "put_item" and op.keys() == _PUT_KEYS:
+        id = op["id"]
+        if type(id) is str and id and id.isascii() and (max_len is None or len(id) <= max_len):
+            return id
+    return None
+
+
 def _vector(value: Any, where: str, dim: int) -> tuple[bytes, bytes]:
     """(raw, unit): the vector rounded to float32, and that normalised, both packed."""
     if not isinstance(value, (list, tuple)):
@@ -426,22 +437,17 @@ class EntitiesPlugin:
     # -- ops
 
     def validate(self, op: dict[str, Any]) -> None:
-        # The most common op, with the checks _parse(limits=True) makes on it:
-        # the leader runs this for every write it takes.
-        if type(op) is dict and op.get("kind") == "put_item" and op.keys() == _PUT_KEYS:
-            id = op["id"]
-            if type(id) is str and 0 < len(id) <= self.settings.max_id_len and id.isascii():
-                _doc(op["doc"], "put_item: doc", self.settings.max_item_bytes)
-                return
+        # The leader runs this for every write it takes.
+        if _plain_put_id(op, self.settings.max_id_len) is not None:
+            _doc(op["doc"], "put_item: doc", self.settings.max_item_bytes)
+            return
         self._parse(op, limits=True)
 
     def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
-        # The most common op, with the checks _parse(limits=False) makes on
-        # it, and no parsed object: every replica runs this for every put.
-        if type(op) is dict and op.get("kind") == "put_item" and op.keys() == _PUT_KEYS:
-            id = op["id"]
-            if type(id) is str and id and id.isascii():
-                return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
+        # No parsed object for the common put: every replica runs this for every write.
+        id = _plain_put_id(op, None)
+        if id is not None:
+            return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
         # Re-parse without admission limits (see base.py): structure is what
         # apply needs to be atomic; limits were the leader's business.
         parsed = self._parse(op, limits=False)
