@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from shardgrid.bench_cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
+from shardgrid.bench_rounds import WorkerCounters, format_rounds, rounds_report
 from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, TARGETS, WRITE_KINDS, LoadConfig, MixError,
                                   check_mix_for_target, child_main, parse_mix)
 from shardgrid.bench_stats import KindTotals, latency_summary, merge_into, new_histogram, overall
@@ -256,6 +257,8 @@ class ClusterEnv:
     pids: dict[int, str] | None
     info: dict[str, Any]
     stop: Callable[[], None] = lambda: None
+    # The workers' /metrics (a local shardgrid cluster): the round counters.
+    metrics_urls: list[str] = field(default_factory=list)
 
 
 def _say_err(line: str) -> None:
@@ -312,6 +315,7 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             asyncio.run(wait_groups_ready(cluster.meta_addrs, WORKERS_UP_TIMEOUT_S, balanced=True))
             say("cluster ready")
             env = ClusterEnv(urls=[f"http://{g}" for g in gws], pids={c.pid: c.name for c in cluster.children},
+                             metrics_urls=[f"http://{w.http}/metrics" for w in cluster.topo.workers],
                              info={"mode": "local", "target": "shardgrid", "workers": opts.workers,
                                    "shards": opts.shards, "rf": opts.rf, "gateways": opts.gateways,
                                    "fsync": opts.fsync, "embedding_dim": cluster.topo.settings.embedding_dim,
@@ -468,9 +472,12 @@ class RunOutput:
     cpu_after: dict[int, tuple[str, int]] | None
     interrupted: bool = False
     errors: list[str] = field(default_factory=list)
+    counters_before: dict[str, float] | None = None
+    counters_after: dict[str, float] | None = None
 
 
-def run_generators(cfg: LoadConfig, procs: int, cpu: CpuAccount | None, out: TextIO | None) -> RunOutput:
+def run_generators(cfg: LoadConfig, procs: int, cpu: CpuAccount | None, out: TextIO | None,
+                   counters: WorkerCounters | None = None) -> RunOutput:
     """Spawn the generator processes, run them together, merge what they report."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -508,6 +515,7 @@ def run_generators(cfg: LoadConfig, procs: int, cpu: CpuAccount | None, out: Tex
             while len(done) < procs:
                 if cpu is not None and run.cpu_before is None and time.time() >= measure_at:
                     run.cpu_before = cpu.sample()
+                    run.counters_before = counters.sample() if counters is not None else None
                 try:
                     kind, proc, payload = q.get(timeout=0.02 if run.cpu_before is None and cpu else 0.1)
                 except queue.Empty:
@@ -548,7 +556,9 @@ def run_generators(cfg: LoadConfig, procs: int, cpu: CpuAccount | None, out: Tex
         if cpu is not None:
             if run.cpu_before is None:
                 run.cpu_before = cpu.sample()
+                run.counters_before = counters.sample() if counters is not None else None
             run.cpu_after = cpu.sample()
+            run.counters_after = counters.sample() if counters is not None else None
         for i in range(procs):
             if i not in done:
                 collector.mark_done(i)
@@ -625,6 +635,7 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
                         "latency_ms": latency_summary(kt.hist)} for k, kt in kinds.items()},
         "open_loop": open_loop,
         "cluster_cpu": cluster_cpu,
+        "rounds": rounds_report(run.counters_before, run.counters_after, acked_writes),
         "client": {"procs": opts.procs, "cpu_s": round(client_cpu, 3),
                    "cores_busy": round(client_cpu / elapsed, 3) if run.summaries else None,
                    "problems": run.errors},
@@ -683,6 +694,8 @@ def format_report(r: dict[str, Any]) -> str:
             else "no acknowledged writes"
         lines.append(f"  cluster CPU  {cc['cpu_s']:.2f} s ({roles}) = {cc['cores_busy']:.2f} cores busy; {per}"
                      + (" (lower bound: a process exited)" if cc["lower_bound"] else ""))
+    if r.get("rounds"):
+        lines.append(format_rounds(r["rounds"]))
     cl = r["client"]
     if cl["cores_busy"] is not None:
         lines.append(f"  client CPU   {cl['cpu_s']:.2f} s over {cl['procs']} proc(s) = {cl['cores_busy']:.2f} cores"
@@ -722,7 +735,8 @@ def run_bench(opts: BenchOptions, out: TextIO | None = sys.stdout) -> dict[str, 
         if cpu is not None:
             env.info["pids"] = {str(k): v for k, v in env.pids.items()}
         load_before = os.getloadavg()
-        run = run_generators(cfg, opts.procs, cpu, None if opts.quiet else out)
+        counters = WorkerCounters(env.metrics_urls) if env.metrics_urls else None
+        run = run_generators(cfg, opts.procs, cpu, None if opts.quiet else out, counters)
         result = build_result(opts, env, run, cpu, (load_before, os.getloadavg()))
     finally:
         env.stop()

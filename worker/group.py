@@ -132,6 +132,19 @@ class _Restore:
 
 
 @dataclass
+class PassStats:
+    """How the group loops of one worker batch their work (shared by its groups).
+
+    `events / passes` is the natural batching of DESIGN.md §5 at the group
+    loop: each pass costs a wake-up, one core call per event, and at most
+    one fsync, whatever it carries.
+    """
+
+    passes: int = 0
+    events: int = 0
+
+
+@dataclass
 class _LatencyStats:
     ema_ms: float = 0.0
     samples: list[float] = field(default_factory=list)
@@ -170,8 +183,9 @@ class GroupCorrupt(Exception):
 
 class GroupShell:
     def __init__(self, node_id: str, gid: int, root: Path, plugin: Plugin, settings: GroupSettings,
-                 transport: Transport, hooks: GroupHooks, log: Any) -> None:
+                 transport: Transport, hooks: GroupHooks, log: Any, stats: PassStats | None = None) -> None:
         self.node_id = node_id
+        self.stats = stats if stats is not None else PassStats()
         self.gid = gid
         self.root = root
         self.plugin = plugin
@@ -386,6 +400,9 @@ class GroupShell:
                 batch = [await self._queue.get()]
                 while len(batch) < MAX_PASS_EVENTS and not self._queue.empty():
                     batch.append(self._queue.get_nowait())
+                stats = self.stats
+                stats.passes += 1
+                stats.events += len(batch)
                 now = now_ms()
                 effects: list[m.Effect] = []
                 for ev in batch:

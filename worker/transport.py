@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import aiohttp
@@ -40,9 +41,18 @@ HEARTBEAT_S = 3.0
 STREAM_PATH = "/v1/raft/stream"
 
 
+@dataclass
+class SendStats:
+    """What the peer streams of one worker wrote: messages, and the frames that carried them."""
+
+    messages: int = 0
+    frames: int = 0
+
+
 class _Peer:
-    def __init__(self, addr: str, session: aiohttp.ClientSession, log: Any) -> None:
+    def __init__(self, addr: str, session: aiohttp.ClientSession, log: Any, stats: SendStats) -> None:
         self.addr = addr
+        self.stats = stats
         self.url = f"http://{addr}{STREAM_PATH}"
         self.queue: deque[list[Any]] = deque()
         self.wake = asyncio.Event()
@@ -89,6 +99,8 @@ class _Peer:
                         if ws.closed:
                             raise ConnectionResetError("stream closed")
                         await ws.send_bytes(frame)
+                        self.stats.frames += 1
+                    self.stats.messages += n
                     self.failures = 0
                 self.wake.clear()
                 if reader.done():
@@ -134,6 +146,7 @@ class Transport:
         self._peers: dict[str, _Peer] = {}
         self._session: aiohttp.ClientSession | None = None
         self.log = log
+        self.stats = SendStats()
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -154,7 +167,7 @@ class Transport:
             return  # unknown peer (not yet in meta's view): the core retransmits
         peer = self._peers.get(addr)
         if peer is None:
-            peer = self._peers[addr] = _Peer(addr, self._sess(), self.log)
+            peer = self._peers[addr] = _Peer(addr, self._sess(), self.log, self.stats)
         peer.send(encode_message(msg))
 
     async def close(self) -> None:

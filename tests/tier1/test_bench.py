@@ -21,6 +21,7 @@ from shardgrid.bench_cpu import (CpuAccount, ProcReader, parse_stat, pids_from_d
 from shardgrid.bench_load import (MISS1, OK1, Engine, EtcdTarget, LoadConfig, MixError, ShardgridTarget,
                                   check_mix_for_target, classify_batch, intended_offset_ns, mix_table, parse_mix,
                                   proc_request_index, scheduled_count)
+from shardgrid.bench_rounds import WorkerCounters, format_rounds, parse_counters, rounds_report
 from shardgrid.bench_stats import KindStats, latency_summary, merge_ticks, new_histogram, overall
 from shardgrid.cli import build_parser
 
@@ -386,13 +387,21 @@ def test_result_json_shape() -> None:
         def __init__(self) -> None:
             super().__init__({10: "w1", 11: "g1"}, ProcReader("/nonexistent", clk_tck=100))
 
-    run = RunOutput(col, [{"proc": 0, "cpu_s": 0.4, "sent": 61}, {"proc": 1, "cpu_s": 0.3, "sent": 50}], before, after)
+    run = RunOutput(col, [{"proc": 0, "cpu_s": 0.4, "sent": 61}, {"proc": 1, "cpu_s": 0.3, "sent": 50}], before, after,
+                    counters_before={"passes": 10, "events": 20, "peer_messages": 5, "peer_frames": 5, "fsyncs": 10},
+                    counters_after={"passes": 65, "events": 240, "peer_messages": 225, "peer_frames": 115,
+                                    "fsyncs": 65})
     env = ClusterEnv(urls=["http://127.0.0.1:1"], pids={10: "w1", 11: "g1"}, info={"mode": "attached"})
     r = build_result(_options(duration_s=1.0), env, run, Fixed(), ((0.5, 0.4, 0.3), (1.0, 0.5, 0.3)))
     r = orjson.loads(orjson.dumps(r))  # JSON-serialisable as it is
     assert set(r) == {"version", "command", "started_at", "interrupted", "config", "cluster", "machine", "elapsed_s",
                       "ops", "ops_per_s", "records", "records_per_s", "acked_writes", "misses", "errors",
-                      "latency_ms", "by_kind", "open_loop", "cluster_cpu", "client", "timeline", "histogram"}
+                      "latency_ms", "by_kind", "open_loop", "cluster_cpu", "rounds", "client", "timeline", "histogram"}
+    # 110 acknowledged writes: 55 passes carrying 220 events, 220 messages in 110 frames, 55 fsyncs
+    assert r["rounds"] == {"passes_per_write": 0.5, "peer_messages_per_write": 2.0, "peer_frames_per_write": 1.0,
+                           "fsyncs_per_write": 0.5, "events_per_pass": 4.0,
+                           "totals": {"passes": 55, "events": 220, "peer_messages": 220, "peer_frames": 110,
+                                      "fsyncs": 55}}
     assert r["ops"] == 110 and r["acked_writes"] == 110 and r["elapsed_s"] == 1.6
     assert r["ops_per_s"] == pytest.approx(110 / 1.6, abs=0.1)
     assert r["errors"] == {"total": 1, "by_code": {"unavailable": 1}, "record_errors": {}}
@@ -407,6 +416,42 @@ def test_result_json_shape() -> None:
     assert r["histogram"].startswith("HISTF")
     text = format_report(r)
     assert "110 ok in 1.60 s" in text and "unavailable 1" in text and "µs CPU per acknowledged write" in text
+    assert ("rounds       per acknowledged write, all workers: 0.50 group-loop passes (4.0 events each), "
+            "2.00 peer messages in 1.00 frames, 0.50 WAL fsyncs") in text
+
+
+_EXPOSITION = """# HELP shardgrid_worker_passes_total group loop passes, all groups
+# TYPE shardgrid_worker_passes_total counter
+shardgrid_worker_passes_total 120.0
+shardgrid_worker_passes_created 1.7e+09
+shardgrid_worker_events_total 300.0
+shardgrid_worker_peer_messages_total{peer="a"} 7.0
+shardgrid_worker_peer_messages_total{peer="b}x"} 3.0
+shardgrid_wal_sync_seconds_bucket{le="0.0005"} 2.0
+shardgrid_wal_sync_seconds_count 40.0
+shardgrid_wal_sync_seconds_sum 0.5
+shardgrid_worker_peer_frames_total NaN-ish
+"""
+
+
+def test_round_counters_are_read_from_the_exposition_and_summed_over_labels() -> None:
+    assert parse_counters(_EXPOSITION) == {"passes": 120.0, "events": 300.0, "peer_messages": 10.0, "fsyncs": 40.0}
+
+
+def test_round_report_needs_both_samples_and_no_restart_between() -> None:
+    a = {"passes": 1.0, "events": 2.0, "peer_messages": 3.0, "peer_frames": 3.0, "fsyncs": 1.0}
+    b = {"passes": 5.0, "events": 10.0, "peer_messages": 11.0, "peer_frames": 7.0, "fsyncs": 3.0}
+    assert rounds_report(None, b, 4) is None and rounds_report(a, None, 4) is None and rounds_report(a, b, 0) is None
+    assert rounds_report(b, a, 4) is None  # counters went back: a worker restarted, the differences mean nothing
+    r = rounds_report(a, b, 4)
+    assert r is not None and r["passes_per_write"] == 1.0 and r["events_per_pass"] == 2.0
+    assert r["peer_messages_per_write"] == 2.0 and r["peer_frames_per_write"] == 1.0 and r["fsyncs_per_write"] == 0.5
+    idle = rounds_report(a, {**a, "fsyncs": 2.0}, 4)
+    assert idle is not None and idle["events_per_pass"] is None and "events each" not in format_rounds(idle)
+
+
+def test_round_counters_of_a_worker_that_does_not_answer_give_no_report() -> None:
+    assert WorkerCounters(["http://127.0.0.1:1/metrics"]).sample() is None
 
 
 # -- end to end against a fake gateway ---------------------------------------------------------

@@ -415,3 +415,21 @@ async def test_a_read_cut_off_by_shutdown_changed_nothing(tmp_path: Path) -> Non
     await g.close()
     out = await read
     assert not out.ok and out.error_code == "unavailable" and not out.maybe_applied
+
+
+async def test_the_loop_counts_its_passes_and_the_events_each_carried(shell: GroupShell,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # No timer ticks meanwhile: every event below is one this test delivers.
+    monkeypatch.setattr(shell, "_set_timer", lambda at: None)
+    if shell._timer is not None:
+        shell._timer.cancel()
+    await _until(lambda: shell._queue.empty())
+    passes, events = shell.stats.passes, shell.stats.events
+    # Events queued in one loop iteration are handled in one pass (natural batching).
+    for _ in range(3):
+        shell.deliver(m.Tick())
+    await _until(lambda: shell.stats.events == events + 3)
+    assert shell.stats.passes == passes + 1
+    out = await shell.write_many([(put(1), "p1"), (put(2), "p2")], "quorum", 5.0)
+    assert all(o.ok for o in out)
+    assert (shell.stats.passes, shell.stats.events) == (passes + 2, events + 4)  # one call: one event, one pass

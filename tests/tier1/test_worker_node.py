@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from prometheus_client import generate_latest
 
+from shardgrid.bench_rounds import COUNTERS, parse_counters
 from worker.process import WorkerConfig, WorkerNode
 
 
@@ -48,4 +50,20 @@ async def test_a_worker_heartbeats_before_it_opens_any_group(tmp_path: Path) -> 
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
+        await node.transport.close()
+
+
+async def test_the_round_counters_on_metrics_are_the_ones_the_benchmark_reads(tmp_path: Path) -> None:
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
+                      structlog.get_logger())
+    try:
+        node.pass_stats.passes, node.pass_stats.events = 7, 19
+        node.transport.stats.messages, node.transport.stats.frames = 11, 4
+        node._wal_sync.observe(0.001)
+        text = generate_latest(node.metrics.registry).decode()
+        assert parse_counters(text) == {"passes": 7, "events": 19, "peer_messages": 11, "peer_frames": 4,
+                                        "fsyncs": 1}
+        assert set(parse_counters(text)) == set(COUNTERS)
+    finally:
+        await node.meta.close()
         await node.transport.close()

@@ -1,0 +1,51 @@
+"""Replica-to-replica streams (worker/transport.py) against a real WebSocket endpoint."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+from aiohttp import WSMsgType, web
+
+from shardgrid.wire import unpack_frame
+from worker import replica_msgs as m
+from worker.codec import decode_message
+from worker.transport import STREAM_PATH, Transport
+
+
+async def test_messages_sent_in_one_iteration_share_a_frame_and_are_counted(aiohttp_server: Any) -> None:
+    frames: list[list[m.Message]] = []
+
+    async def stream(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type == WSMsgType.BINARY:
+                frames.append([decode_message(raw) for raw in unpack_frame(msg.data)])
+        return ws
+
+    app = web.Application()
+    app.router.add_get(STREAM_PATH, stream)
+    server = await aiohttp_server(app)
+    transport = Transport(lambda dst: f"127.0.0.1:{server.port}", structlog.get_logger())
+
+    def beat(commit: int) -> m.Heartbeat:
+        return m.Heartbeat(src="a", dst="b", group=0, term=1, commit=commit, round=0)
+
+    async def received(n: int) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5
+        while sum(map(len, frames)) < n:
+            assert loop.time() < end, frames
+            await asyncio.sleep(0.005)
+
+    try:
+        for i in range(3):
+            transport.send(beat(i))
+        await received(3)
+        transport.send(beat(3))
+        await received(4)
+        assert [[h.commit for h in f] for f in frames] == [[0, 1, 2], [3]]  # type: ignore[attr-defined]
+        assert (transport.stats.messages, transport.stats.frames) == (4, 2)
+    finally:
+        await transport.close()
