@@ -113,6 +113,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     loc.add_argument("--rf", type=int, default=None, help="replication factor (default 3, or fewer workers)")
     loc.add_argument("--gateways", type=int, default=1, help="gateways, run with --no-access-log (default 1)")
     loc.add_argument("--fsync", choices=FSYNC_MODES, default="batch", help="settings.fsync (default batch)")
+    loc.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                     help="settings.snapshot_every: client writes between a group's snapshots (default the "
+                          "topology default, 100000; runs longer than N writes per group include snapshots)")
     loc.add_argument("--data-dir", default=None, metavar="DIR", help="make the temp data dir under DIR")
     loc.add_argument("--keep-data", action="store_true", help="keep the data dir (logs) after the run")
     cpu = p.add_argument_group("CPU accounting of a running cluster (--cluster none)")
@@ -132,6 +135,7 @@ class BenchOptions:
     rf: int = 3
     gateways: int = 1
     fsync: str = "batch"
+    snapshot_every: int | None = None
     data_dir: str | None = None
     keep_data: bool = False
     pids_from: str | None = None
@@ -203,9 +207,15 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
             rf = args.rf if args.rf is not None else min(3, args.workers)
             if not 1 <= rf <= args.workers:
                 raise bad(f"--rf {rf} needs 1..--workers ({args.workers})")
+            if args.snapshot_every is not None and args.snapshot_every < 1:
+                raise bad("--snapshot-every must be >= 1")
+        elif args.snapshot_every is not None:
+            raise bad("--snapshot-every is a shardgrid setting")
         elif args.fsync == "none":
             raise bad("--fsync none: this etcd (3.4) cannot turn fsync off")
     else:
+        if args.snapshot_every is not None:
+            raise bad("--snapshot-every sets up the cluster of --cluster local")
         urls = urls or [DEFAULT_URLS[target]]
         for u in urls:
             if not re.fullmatch(r"https?://[^/\s]+/?", u):
@@ -219,7 +229,8 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                       seed=args.seed if args.seed is not None else random.randrange(1 << 30),
                       run_id=f"b{secrets.token_hex(3)}")
     return BenchOptions(load=load, procs=args.procs, cluster=args.cluster, workers=args.workers, shards=args.shards,
-                        rf=rf, gateways=args.gateways, fsync=args.fsync, data_dir=args.data_dir,
+                        rf=rf, gateways=args.gateways, fsync=args.fsync, snapshot_every=args.snapshot_every,
+                        data_dir=args.data_dir,
                         keep_data=args.keep_data, pids_from=args.cluster_pids_from, pids=args.cluster_pids,
                         pgrep=args.cluster_pgrep, json_path=args.json, quiet=args.quiet,
                         command=" ".join(["shardgrid", "bench", *map(shlex.quote, argv or [])]), mix_spec=args.mix)
@@ -259,6 +270,12 @@ class ClusterEnv:
     stop: Callable[[], None] = lambda: None
     # The workers' /metrics (a local shardgrid cluster): the round counters.
     metrics_urls: list[str] = field(default_factory=list)
+
+
+def local_settings(opts: BenchOptions) -> str:
+    """The `settings:` of the local cluster's topology (YAML flow mapping)."""
+    snap = f", snapshot_every: {opts.snapshot_every}" if opts.snapshot_every is not None else ""
+    return f"{{ack: quorum, fsync: {opts.fsync}{snap}}}"
 
 
 def _say_err(line: str) -> None:
@@ -302,7 +319,7 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             offsets = [0, 1, 2, 100, 101, 102, *range(200, 200 + opts.workers), *range(300, 300 + opts.gateways)]
             base = find_port_base(offsets)
             text = generated_topology(opts.workers, opts.shards, opts.rf, meta_base=base, worker_base=base + 200,
-                                      settings=f"{{ack: quorum, fsync: {opts.fsync}}}")
+                                      settings=local_settings(opts))
             gws = [f"127.0.0.1:{base + 300 + i}" for i in range(opts.gateways)]
             cluster = LocalCluster(text, data, gateways=gws, say=say, gateway_args=["--no-access-log"])
             started.append(cluster)
@@ -318,7 +335,8 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
                              metrics_urls=[f"http://{w.http}/metrics" for w in cluster.topo.workers],
                              info={"mode": "local", "target": "shardgrid", "workers": opts.workers,
                                    "shards": opts.shards, "rf": opts.rf, "gateways": opts.gateways,
-                                   "fsync": opts.fsync, "embedding_dim": cluster.topo.settings.embedding_dim,
+                                   "fsync": opts.fsync, "snapshot_every": cluster.topo.settings.snapshot_every,
+                                   "embedding_dim": cluster.topo.settings.embedding_dim,
                                    "data": str(data)})
     except Exception:
         keep = True  # the cluster did not come up: its logs say why

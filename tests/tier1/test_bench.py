@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from shardgrid.bench import (BenchOptions, BenchUsageError, ClusterEnv, Collector, RunOutput, build_result,
-                             format_report, options_from_args, run_bench)
+                             format_report, local_settings, options_from_args, run_bench)
 from shardgrid.bench_cpu import (CpuAccount, ProcReader, parse_stat, pids_from_dir, pids_from_list,
                                  pids_from_pattern, role_of)
 from shardgrid.bench_load import (MISS1, OK1, Engine, EtcdTarget, LoadConfig, MixError, ShardgridTarget,
@@ -84,6 +84,9 @@ def test_cli_usage_errors() -> None:
         (["--batch", "1001"], "--batch must be between 0"),
         (["--gateway", "127.0.0.1:8080"], "expected http://HOST:PORT"),
         (["--cluster", "local", "--workers", "2", "--rf", "3"], "--rf 3 needs 1..--workers (2)"),
+        (["--cluster", "local", "--snapshot-every", "0"], "--snapshot-every must be >= 1"),
+        (["--cluster", "local", "--target", "etcd", "--snapshot-every", "5"], "is a shardgrid setting"),
+        (["--snapshot-every", "5"], "sets up the cluster of --cluster local"),
     ]:
         with pytest.raises(BenchUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
             options_from_args(_args(*argv))
@@ -92,6 +95,9 @@ def test_cli_usage_errors() -> None:
     opts = options_from_args(_args("--rate", "500", "--procs", "2", "--mix", "put=3,get=1", "--ack", "all"))
     assert opts.load.rate == 500 and opts.load.mix == (("put", 3.0), ("get", 1.0)) and opts.load.ack == "all"
     assert opts.load.urls == ("http://127.0.0.1:8080",)
+    local = options_from_args(_args("--cluster", "local", "--snapshot-every", "2000", "--fsync", "none"))
+    assert local_settings(local) == "{ack: quorum, fsync: none, snapshot_every: 2000}"
+    assert local_settings(options_from_args(_args("--cluster", "local"))) == "{ack: quorum, fsync: batch}"
 
 
 # -- the open-loop schedule --------------------------------------------------------------------
