@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import orjson
 import pytest
+import xxhash
 
 from worker.plugins import (
     ApplyContext,
@@ -23,7 +24,7 @@ from worker.plugins import (
     available_plugins,
     load_plugin,
 )
-from worker.plugins.entities import MAX_K, EntitiesPlugin
+from worker.plugins.entities import FORMAT, FORMAT_VERSION, MAX_K, SNAPSHOT_RUN, STATE_FILE, EntitiesPlugin
 
 DIM = 8
 CTX = ApplyContext(seq=1, term=1, ts_ms=1_700_000_000_000)
@@ -474,6 +475,39 @@ def test_same_ops_give_byte_identical_snapshots(tmp_path: Path) -> None:
     c = make()
     apply_all(c, msgpack.unpackb(msgpack.packb(ops)))
     assert snapshot_bytes(c, tmp_path / "c") == snapshot_bytes(a, tmp_path / "a2")
+
+
+def _state_file_in_one_piece(p: EntitiesPlugin) -> bytes:
+    """The state file as the writer made it before it packed piece by piece (one packb of the header)."""
+    s, m = p._state, p._state.matrix
+    used = m.rows * m.row_bytes
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "embedding_dim": m.dim,
+        "items": list(s.items.items()),
+        "signals": [[e, list(sig.counters.items()), list(sig.last.items())] for e, sig in s.signals.items()],
+        "embeddings": {"rows": m.rows, "dtype": "<f4", "ids": list(m.id_of_row), "free": list(m.free),
+                       "raw_xxh3_128": xxhash.xxh3_128_hexdigest(bytes(memoryview(m.raw)[:used])),
+                       "unit_xxh3_128": xxhash.xxh3_128_hexdigest(bytes(memoryview(m.unit)[:used]))},
+    }
+    return msgpack.packb(header, use_bin_type=True)
+
+
+# Items and signal entities: none, under a fixarray, exactly one run, runs plus a short (fixarray)
+# tail, and a long (array16) tail.
+@pytest.mark.parametrize("n", [0, 5, SNAPSHOT_RUN, 2 * SNAPSHOT_RUN + 7, SNAPSHOT_RUN + 300])
+def test_the_state_file_is_packed_in_runs_to_the_same_bytes(tmp_path: Path, n: int) -> None:
+    p = make()
+    ops = [{"kind": "put_item", "id": f"i{k}", "doc": {"k": k}} for k in range(n)]
+    ops += [{"kind": "signal", "entity": f"e{k}", "name": "hits", "value": k, "mode": "incr"} for k in range(n)]
+    ops += random_ops(random.Random(n), 50)
+    apply_all(p, ops)
+    files = snapshot_bytes(p, tmp_path / "s")
+    assert files[STATE_FILE] == _state_file_in_one_piece(p)
+    q = make()
+    q.restore(tmp_path / "s")
+    assert q.stats() == p.stats()
 
 
 def test_empty_plugin_snapshot_roundtrip(tmp_path: Path) -> None:
