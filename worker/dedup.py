@@ -8,7 +8,7 @@ into the entry, and non-decreasing along the log), never by a local clock.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable
 
 from worker.replica_msgs import Entry
@@ -24,12 +24,24 @@ class DedupTable:
     ) -> None:
         self._window = window_ms
         self._max = max_entries
-        # Insertion order is apply order, so the oldest entry is always first.
-        # An OrderedDict, not a dict: expiry deletes from the front, and a
-        # plain dict's first item is found by scanning past every slot
-        # deleted since its last resize, which made each write O(table) once
-        # the table was full (throughput fell 3x after dedup_max writes).
-        self._by_rid: OrderedDict[str, tuple[int, int]] = OrderedDict((rid, (seq, ts)) for rid, seq, ts in items)
+        # rid -> (seq, ts), in apply order: a rid applied again is deleted
+        # and re-inserted, so iteration order is apply order. A plain dict,
+        # not an OrderedDict: a snapshot exports the whole table on the event
+        # loop, and iterating an OrderedDict looks up every key again (about
+        # 2.5 times slower over 100,000 rids).
+        self._by_rid: dict[str, tuple[int, int]] = {}
+        # What expiry takes from the front, oldest first: (at, rids) per entry,
+        # with `at` the very tuple stored for those rids. A rid whose stored
+        # tuple is no longer `at` was applied again later and is skipped.
+        # (Expiring from the dict's own front would scan past every slot
+        # deleted since its last resize: O(table) per write once full.)
+        self._order: deque[tuple[tuple[int, int], tuple[str | None, ...]]] = deque()
+        self._front = 0  # index into the rids of _order[0]: those before it are gone
+        for rid, seq, ts in items:
+            at = (seq, ts)
+            self._by_rid.pop(rid, None)
+            self._by_rid[rid] = at
+            self._order.append((at, (rid,)))
         self._newest_ts = newest_ts
 
     @property
@@ -52,28 +64,42 @@ class DedupTable:
             # rids: this runs on every replica for every write of a batch.
             kind = entry.kind
             rids = (entry.rid,) if kind == "op" else entry.rid if kind == "ops" else ()
-            by_rid = self._by_rid
-            at = (entry.seq, entry.ts)
-            for rid in rids:
-                if rid is None:
-                    continue
-                if rid in by_rid:
-                    # Applied again: to the young end, keeping "first is oldest" true.
-                    by_rid.move_to_end(rid)
-                by_rid[rid] = at
+            if rids:
+                by_rid = self._by_rid
+                at = (entry.seq, entry.ts)
+                again = False
+                for rid in rids:
+                    if rid is None:
+                        continue
+                    old = by_rid.pop(rid, None)  # re-inserted below: to the young end
+                    if old is at:
+                        again = True
+                    by_rid[rid] = at
+                if again:
+                    # A rid twice in this entry is as young as its last
+                    # occurrence: expiry must meet the rids in that order.
+                    rids = tuple(dict.fromkeys(reversed(rids)))[::-1]
+                self._order.append((at, rids))
         self._expire()
 
     def _expire(self) -> None:
         # The oldest go first, for the bound and then for the window: the
-        # same entries as testing both conditions on each first entry in turn.
-        by_rid = self._by_rid
-        excess = len(by_rid) - self._max
-        while excess > 0 and by_rid:
-            by_rid.popitem(last=False)
-            excess -= 1
+        # same rids as testing both conditions on the oldest rid in turn.
+        by_rid, order = self._by_rid, self._order
         cutoff = self._newest_ts - self._window
-        while by_rid and by_rid[next(iter(by_rid))][1] < cutoff:
-            by_rid.popitem(last=False)
+        while order:
+            at, rids = order[0]
+            if len(by_rid) <= self._max and at[1] >= cutoff:
+                return
+            i = self._front
+            if i < len(rids):
+                rid = rids[i]
+                self._front = i + 1
+                if rid is not None and by_rid.get(rid) is at:
+                    del by_rid[rid]
+            else:
+                order.popleft()
+                self._front = 0
 
     def export(self) -> tuple[tuple[str, int, int], ...]:
         # A list comprehension, not a generator: a third less time over a full table.
