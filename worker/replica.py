@@ -1610,8 +1610,8 @@ class Replica:
                     if self._prepared:
                         oldest = min(self._prepared)
                         self._prepared = {oldest: self._prepared[oldest]}
-                    self._prepared[e.seq] = self._snapshot_meta_at(e.seq, exact=self._dedup)
-                    self._out.append(TakeSnapshot(e.seq))
+                    meta = self._prepared[e.seq] = self._snapshot_meta_at(e.seq, exact=self._dedup)
+                    self._out.append(TakeSnapshot(e.seq, meta))
         self._applied = self._commit
         if start < len(batch):
             self._out.append(Apply(batch[start:]))

@@ -403,6 +403,10 @@ class TakeSnapshot:
     that Compact costs it nothing."""
 
     seq: int
+    # What Compact(seq) will most likely install (the core's state as of
+    # `seq`): with it the shell writes the whole archive beside the plugin's
+    # files, off the group's path, and the install only moves the WAL.
+    meta: SnapshotMeta | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True, frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ import structlog
 from worker import replica_msgs as m
 from worker.group import GroupSettings, GroupShell, _Restore, _snapshot_interval
 from worker.plugins.base import ApplyContext, BadOp, load_plugin
-from worker.snapshots import write_snapshot
+from worker.snapshots import read_meta, write_snapshot
 
 
 class _NoPeers:
@@ -433,3 +434,47 @@ async def test_the_loop_counts_its_passes_and_the_events_each_carried(shell: Gro
     out = await shell.write_many([(put(1), "p1"), (put(2), "p2")], "quorum", 5.0)
     assert all(o.ok for o in out)
     assert (shell.stats.passes, shell.stats.events) == (passes + 2, events + 4)  # one call: one event, one pass
+
+
+async def test_the_snapshot_thread_writes_the_archive_and_the_install_only_moves_the_wal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Written from the group's pass, the archive (a copy and fsyncs of the whole
+    # state) held every write of the group for tens of milliseconds.
+    archived: list[tuple[str, int]] = []
+
+    def recording(snap_dir: Path, meta: m.SnapshotMeta, files: Path) -> Any:
+        archived.append((threading.current_thread().name, meta.seq))
+        return write_snapshot(snap_dir, meta, files)
+    monkeypatch.setattr("worker.group.write_snapshot", recording)
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    try:
+        out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in out)
+        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == out[0].seq)
+        assert archived == [("group-0-snapshot_0", out[0].seq)]
+        snap = g.latest_snapshot()
+        assert snap is not None and snap.seq == out[0].seq and read_meta(snap.path).seq == out[0].seq
+        assert not list(g.snap_dir.glob(".plugin-*"))
+    finally:
+        await g.close()
+
+
+async def test_an_install_of_another_meta_than_the_archived_one_archives_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    take = g._snapshot_plugin
+    true: list[m.SnapshotMeta] = []
+
+    def stale_meta(seq: int, meta: m.SnapshotMeta | None = None) -> None:
+        assert meta is not None
+        true.append(meta)
+        take(seq, dataclasses.replace(meta, ts=meta.ts - 1))  # not what the core installs
+    monkeypatch.setattr(g, "_snapshot_plugin", stale_meta)
+    try:
+        out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in out)
+        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == out[0].seq)
+        snap = g.latest_snapshot()
+        assert snap is not None and true and read_meta(snap.path) == true[0]
+    finally:
+        await g.close()
