@@ -36,11 +36,11 @@ class Node:
         self.other: Node | None = None
 
 
-def test_no_automatic_full_collection_after_tuning(restore_gc: None) -> None:
-    _, older, _ = gc.get_threshold()
+def test_only_young_collections_after_tuning(restore_gc: None) -> None:
     tune_gc()
-    assert gc.get_threshold() == (YOUNG, older, NEVER)
+    assert gc.get_threshold() == (YOUNG, NEVER, NEVER)
     assert gc.get_freeze_count() > 0
+    middle_before = gc.get_stats()[1]["collections"]
     full_before = gc.get_stats()[2]["collections"]
     # What makes CPython start a full collection by itself: many middle
     # collections since the last full one, and survivors promoted since
@@ -49,8 +49,13 @@ def test_no_automatic_full_collection_after_tuning(restore_gc: None) -> None:
     for _ in range(30):
         gc.collect(1)
     more = [[] for _ in range(2 * YOUNG)]  # young collections start on their own
-    del survivors, more
+    young_before = gc.get_stats()[0]["collections"]
+    kept = [[[] for _ in range(2 * YOUNG)] for _ in range(12)]  # 12+ young collections, all survivors
+    assert gc.get_stats()[0]["collections"] >= young_before + 12
+    del survivors, more, kept
     assert gc.get_stats()[2]["collections"] == full_before
+    # the 30 explicit ones above, and none of the default's one per 10 young collections
+    assert gc.get_stats()[1]["collections"] == middle_before + 30
 
 
 async def test_periodic_full_collection_finds_promoted_cycles(restore_gc: None) -> None:
