@@ -14,6 +14,12 @@ from collections.abc import Iterable
 from worker.replica_msgs import Entry
 
 
+# The expiry queue is rebuilt once it holds more than twice as many records
+# as live rids, plus this: each rebuild (a pass over the table) then follows
+# at least as many writes as the table holds.
+ORDER_SLACK = 1024
+
+
 class DedupTable:
     def __init__(
         self,
@@ -67,7 +73,7 @@ class DedupTable:
             if rids:
                 by_rid = self._by_rid
                 at = (entry.seq, entry.ts)
-                again = False
+                stored = again = False
                 for rid in rids:
                     if rid is None:
                         continue
@@ -75,12 +81,24 @@ class DedupTable:
                     if old is at:
                         again = True
                     by_rid[rid] = at
+                    stored = True
                 if again:
                     # A rid twice in this entry is as young as its last
                     # occurrence: expiry must meet the rids in that order.
                     rids = tuple(dict.fromkeys(reversed(rids)))[::-1]
-                self._order.append((at, rids))
+                if stored:
+                    self._order.append((at, rids))
+                    if len(self._order) > 2 * len(by_rid) + ORDER_SLACK:
+                        self._rebuild_order()
         self._expire()
+
+    def _rebuild_order(self) -> None:
+        # Records whose rids were all applied again later hold nothing live
+        # but stay until the window passes them: with the same few rids
+        # retried forever they would grow without bound. One record per
+        # live rid, in apply order (the dict's), drops them.
+        self._order = deque((at, (rid,)) for rid, at in self._by_rid.items())
+        self._front = 0
 
     def _expire(self) -> None:
         # The oldest go first, for the bound and then for the window: the

@@ -22,9 +22,14 @@ reordered ahead of a Persist.
 Snapshots: the core asks for one (TakeSnapshot(S)) after the entry S that
 completes (a per-replica 3/4 to all of) `snapshot_every` client writes; the
 plugin captures its state at exactly S and a thread of its own writes it into
-a temp dir (one capture at a time); then `Compact(S)` goes to the core; the
-core answers with `Persist(snapshot=meta)`, and only then the archive (plugin
-files + meta) is written and the WAL compacted. A follower told to download a
+a temp dir, then (given the core's meta for S, carried by TakeSnapshot) the
+archive of plugin files + meta, durably (one capture at a time); then
+`Compact(S)` goes to the core; the core answers with `Persist(snapshot=meta)`,
+and only then does the WAL's snapshot point move and the log get compacted
+(the archive is written there instead if the core installs another meta). An
+archive may thus exist ahead of the WAL's snapshot point (until Compact, or
+after a crash): it holds committed state, recovery ignores it (it restores the
+snapshot the WAL names), and the next install prunes it. A follower told to download a
 snapshot fetches it by HTTP range requests (resumable), verifies its xxh3-128,
 renames it into place, restores the plugin and reports `SnapshotInstalled`.
 """
@@ -205,7 +210,8 @@ class GroupShell:
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
-        self._plugin_writes: dict[int, Future[None]] = {}  # seq -> its writer, until installed or failed
+        # seq -> its writer (the meta it archived, if any), until installed or failed
+        self._plugin_writes: dict[int, Future[m.SnapshotMeta | None]] = {}
         self._last_snapshot_seq = 0
         # The core counts client writes and asks for snapshots (TakeSnapshot).
         self._snapshot_after = _snapshot_interval(settings.snapshot_every, node_id, gid)
@@ -589,7 +595,7 @@ class GroupShell:
         loop = asyncio.get_running_loop()
         written.add_done_callback(lambda f: loop.call_soon_threadsafe(self._plugin_written, seq, f))
 
-    def _plugin_written(self, seq: int, written: "Future[None]") -> None:
+    def _plugin_written(self, seq: int, written: "Future[m.SnapshotMeta | None]") -> None:
         """On the loop, once the writer of `seq` has finished: tell the core, or
         drop the capture if it failed (the log still holds everything; the
         next point tries again)."""

@@ -57,6 +57,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _publish_digest(final: Path, digest: str) -> None:
+    """The digest beside `final`, durably. Its presence marks the snapshot
+    finished, so it must never be there empty: after a power loss a plain
+    write could leave the name with no content, and the snapshot the WAL
+    points at would fail its check (a full resync from the leader)."""
+    side = final.with_name(final.name + ".xxh3")
+    tmp = side.with_name(side.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(digest)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, side)
+    _fsync_dir(final.parent)
+
+
 def file_digest(path: Path) -> str:
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
@@ -105,8 +120,7 @@ def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path) -> Sn
         os.fsync(out.fileno())
     digest = h.hexdigest()
     os.replace(partial, final)
-    (snap_dir / (final.name + ".xxh3")).write_text(digest)
-    _fsync_dir(snap_dir)
+    _publish_digest(final, digest)
     return SnapshotFile(final, meta.seq, meta.term, final.stat().st_size, digest)
 
 
@@ -115,7 +129,8 @@ def prune_snapshots(snap_dir: Path, keep_seq: int) -> None:
     for old in list_snapshots(snap_dir):
         if old.seq < keep_seq:
             remove_snapshot(old)
-    for stray in snap_dir.glob("*.partial"):
+    # Our own archives' leftovers only: a download in progress (.download-*) is not stray.
+    for stray in snap_dir.glob("snap-*.partial"):
         stray.unlink(missing_ok=True)
 
 
@@ -192,6 +207,5 @@ def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, diges
     """Move a verified download into place as this replica's latest snapshot."""
     final = snap_dir / _name(seq, term)
     os.replace(partial, final)
-    (snap_dir / (final.name + ".xxh3")).write_text(digest)
-    _fsync_dir(snap_dir)
+    _publish_digest(final, digest)
     return SnapshotFile(final, seq, term, final.stat().st_size, digest)

@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from worker.dedup import DedupTable
+from worker.dedup import ORDER_SLACK, DedupTable
 from worker.replica_msgs import Entry
 
 
@@ -69,3 +69,15 @@ def test_table_follows_the_rules_for_any_log(window: int, bound: int, steps: lis
         for r in [f"r{i}" for i in range(12)]:
             hit = model.by_rid.get(r)
             assert table.lookup(r) == (None if hit is None else hit[0])
+
+
+def test_the_expiry_queue_stays_near_the_table_size() -> None:
+    # Entries without rids, and the same few rids applied again and again,
+    # leave nothing live behind; they must not pile up until the window passes.
+    table = DedupTable(600_000, 100)
+    for seq in range(1, 20_001):
+        table.apply(Entry(1, seq, "ops", (None,) * 4, (None,) * 4, seq))
+        table.apply(Entry(1, seq, "op", None, f"r{seq % 10}", seq))
+    assert len(table) == 10
+    assert len(table._order) <= 2 * len(table) + ORDER_SLACK
+    assert table.export() == tuple((f"r{s % 10}", s, s) for s in range(19_991, 20_001))
