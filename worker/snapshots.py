@@ -130,8 +130,9 @@ def prune_snapshots(snap_dir: Path, keep_seq: int) -> None:
         if old.seq < keep_seq:
             remove_snapshot(old)
     # Our own archives' leftovers only: a download in progress (.download-*) is not stray.
-    for stray in snap_dir.glob("snap-*.partial"):
-        stray.unlink(missing_ok=True)
+    for pattern in ("snap-*.partial", "snap-*.xxh3.tmp"):
+        for stray in snap_dir.glob(pattern):
+            stray.unlink(missing_ok=True)
 
 
 def snapshot_at(snap_dir: Path, seq: int) -> SnapshotFile | None:

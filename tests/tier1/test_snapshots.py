@@ -67,6 +67,18 @@ def test_prune_keeps_the_newest_and_unfinished_archives_are_ignored(tmp_path: Pa
     # An archive whose digest never reached disk is not a snapshot.
     (tmp_path / "snaps" / "snap-00000000000000000040-0000000001.snap").write_bytes(b"partial")
     assert latest_snapshot(tmp_path / "snaps").seq == 30  # type: ignore[union-attr]
+    # Leftovers of our own writes go; a download in progress stays.
+    snaps = tmp_path / "snaps"
+    leftovers = [snaps / "snap-00000000000000000050-0000000001.partial",
+                 snaps / "snap-00000000000000000050-0000000001.snap.xxh3.tmp"]
+    download = snaps / ".download-60-1.partial"
+    for f in (*leftovers, download):
+        f.write_bytes(b"x")
     prune_snapshots(tmp_path / "snaps", 20)
     assert [s.seq for s in list_snapshots(tmp_path / "snaps")] == [20, 30]
     assert snapshot_at(tmp_path / "snaps", 10) is None and snapshot_at(tmp_path / "snaps", 20) is not None
+    assert not any(f.exists() for f in leftovers) and download.exists()
+    # A digest file is complete, never left under its temporary name.
+    assert (snaps / "snap-00000000000000000030-0000000001.snap.xxh3").read_text() == \
+        snapshot_at(snaps, 30).digest  # type: ignore[union-attr]
+    assert not list(snaps.glob("*.tmp"))
