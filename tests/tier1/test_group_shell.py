@@ -478,3 +478,58 @@ async def test_an_install_of_another_meta_than_the_archived_one_archives_again(
         assert snap is not None and true and read_meta(snap.path) == true[0]
     finally:
         await g.close()
+
+
+async def test_a_failed_archive_write_is_dropped_and_the_next_point_tries_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The snapshot thread writes the archive now: its failure (a full disk) must
+    # cost no more than a failed plugin write does.
+    failures: list[int] = []
+
+    def full_disk_once(snap_dir: Path, meta: m.SnapshotMeta, files: Path) -> Any:
+        if not failures:
+            failures.append(meta.seq)
+            raise OSError(28, "No space left on device")
+        return write_snapshot(snap_dir, meta, files)
+    monkeypatch.setattr("worker.group.write_snapshot", full_disk_once)
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    try:
+        first = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in first)
+        await _until(lambda: bool(failures) and not g._plugin_writes)
+        assert g.failed is None and g.replica is not None and g.replica.snapshot_seq == 0
+        assert g.latest_snapshot() is None and not list(g.snap_dir.glob(".plugin-*"))
+        again = await g.write_many([(put(10 + i), f"b{i}") for i in range(5)], "quorum", 5.0)
+        assert all(o.ok for o in again)
+        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == again[0].seq)
+        snap = g.latest_snapshot()
+        assert snap is not None and snap.seq == again[0].seq and g.failed is None
+    finally:
+        await g.close()
+
+
+async def test_an_archive_ahead_of_the_wal_is_served_but_recovery_uses_the_wals_point(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crash after the snapshot thread wrote the archive, before the core
+    # heard of it: the WAL's snapshot point did not move.
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    monkeypatch.setattr(g, "_plugin_written", lambda seq, written: None)  # Compact never reaches the core
+    out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+    assert all(o.ok for o in out)
+    await _until(lambda: g.latest_snapshot() is not None)
+    assert g.replica is not None and g.replica.snapshot_seq == 0
+    await g.close()
+
+    h = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=5),
+                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    h.open()
+    h.start()
+    h.deliver(m.MetaView(2, "a", ("a",), (), 0))  # the restarted voter leads the next term
+    try:
+        await _until(lambda: h.replica is not None and h.replica.ready)
+        assert h.replica is not None and h.replica.snapshot_seq == 0 and h.replica.last_seq >= out[0].seq
+        assert [h.plugin.query({"kind": "get_item", "id": f"k{i}"}) for i in range(5)] == [{"n": i} for i in range(5)]
+        ahead = h.latest_snapshot()  # committed state: what a follower that must download gets
+        assert ahead is not None and ahead.seq == out[0].seq and read_meta(ahead.path).seq == out[0].seq
+    finally:
+        await h.close()
