@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import time
 from typing import Any
 
@@ -51,16 +52,31 @@ def tune_gc() -> None:
     gc.set_threshold(YOUNG, NEVER, NEVER)
 
 
-async def collect_fully_every(interval_s: float, log: Any) -> None:
-    """The only full collections: one every `interval_s`, logged (run as a task)."""
+async def collect_fully_every(interval_s: float, log: Any, first_s: float | None = None) -> None:
+    """The only full collections: the first after `first_s` (default `interval_s`),
+    then one every `interval_s`, logged (run as a task)."""
+    wait = interval_s if first_s is None else first_s
     while True:
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(wait)
+        wait = interval_s
         started = time.perf_counter()
         found = gc.collect()
         log.info("gc_full_collection", unreachable=found, ms=round((time.perf_counter() - started) * 1000, 1))
 
 
 def start_gc_policy(log: Any, interval_s: float = FULL_EVERY_S) -> asyncio.Task[None]:
-    """`tune_gc()` and the task of periodic full collections; cancel it on shutdown."""
+    """`tune_gc()` and the task of periodic full collections; cancel it on shutdown.
+
+    A full collection stops a worker for a few hundred milliseconds (it walks
+    the in-memory log). Processes started together would all stop together,
+    every write of the cluster with them: each starts its cycle at a random
+    point of the first interval instead.
+    """
     tune_gc()
-    return asyncio.create_task(collect_fully_every(interval_s, log), name="gc-full-collections")
+    return asyncio.create_task(collect_fully_every(interval_s, log, first_delay(interval_s)),
+                               name="gc-full-collections")
+
+
+def first_delay(interval_s: float) -> float:
+    """When a process's first full collection comes: a random point of the second half of the first interval."""
+    return interval_s * random.uniform(0.5, 1.0)

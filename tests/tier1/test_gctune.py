@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.gctune import NEVER, YOUNG, collect_fully_every, tune_gc
+from shardgrid.gctune import NEVER, YOUNG, collect_fully_every, first_delay, tune_gc
 
 
 @pytest.fixture
@@ -76,3 +76,20 @@ async def test_periodic_full_collection_finds_promoted_cycles(restore_gc: None) 
     event, fields = log.events[0]
     assert event == "gc_full_collection"
     assert fields["unreachable"] >= 2 and fields["ms"] >= 0
+
+
+async def test_full_collections_start_at_a_random_point_then_keep_the_interval(restore_gc: None) -> None:
+    log = Log()
+    task = asyncio.create_task(collect_fully_every(0.2, log, first_s=0.01))
+    try:
+        async with asyncio.timeout(5):
+            while not log.events:
+                await asyncio.sleep(0.005)
+        first = asyncio.get_running_loop().time()
+        while len(log.events) < 2:
+            await asyncio.sleep(0.005)
+        assert asyncio.get_running_loop().time() - first >= 0.19  # then the interval
+    finally:
+        task.cancel()
+    phases = {first_delay(100.0) for _ in range(20)}
+    assert len(phases) > 1 and all(50.0 <= p <= 100.0 for p in phases)
