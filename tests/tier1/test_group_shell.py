@@ -436,6 +436,14 @@ async def test_the_loop_counts_its_passes_and_the_events_each_carried(shell: Gro
     assert (shell.stats.passes, shell.stats.events) == (passes + 2, events + 4)  # one call: one event, one pass
 
 
+async def _writes_to_a_snapshot(g: GroupShell) -> int:
+    """Five puts in one entry (a snapshot point at snapshot_every=5); its seq, once the core installed it."""
+    out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
+    assert all(o.ok for o in out)
+    await _until(lambda: g.replica is not None and g.replica.snapshot_seq == out[0].seq)
+    return out[0].seq
+
+
 async def test_the_snapshot_thread_writes_the_archive_and_the_install_only_moves_the_wal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Written from the group's pass, the archive (a copy and fsyncs of the whole
@@ -448,12 +456,10 @@ async def test_the_snapshot_thread_writes_the_archive_and_the_install_only_moves
     monkeypatch.setattr("worker.group.write_snapshot", recording)
     g = await _single_voter(tmp_path, snapshot_every=5)
     try:
-        out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
-        assert all(o.ok for o in out)
-        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == out[0].seq)
-        assert [(name.startswith("group-0-snapshot"), seq) for name, seq in archived] == [(True, out[0].seq)]
+        seq = await _writes_to_a_snapshot(g)
+        assert [(name.startswith("group-0-snapshot"), at) for name, at in archived] == [(True, seq)]
         snap = g.latest_snapshot()
-        assert snap is not None and snap.seq == out[0].seq and read_meta(snap.path).seq == out[0].seq
+        assert snap is not None and snap.seq == seq and read_meta(snap.path).seq == seq
         assert not list(g.snap_dir.glob(".plugin-*"))
     finally:
         await g.close()
@@ -471,9 +477,7 @@ async def test_an_install_of_another_meta_than_the_archived_one_archives_again(
         take(seq, dataclasses.replace(meta, ts=meta.ts - 1))  # not what the core installs
     monkeypatch.setattr(g, "_snapshot_plugin", stale_meta)
     try:
-        out = await g.write_many([(put(i), f"a{i}") for i in range(5)], "quorum", 5.0)
-        assert all(o.ok for o in out)
-        await _until(lambda: g.replica is not None and g.replica.snapshot_seq == out[0].seq)
+        await _writes_to_a_snapshot(g)
         snap = g.latest_snapshot()
         assert snap is not None and true and read_meta(snap.path) == true[0]
     finally:
