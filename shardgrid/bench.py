@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from shardgrid.bench_cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
-from shardgrid.bench_rounds import WorkerCounters, format_rounds, rounds_report
 from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, TARGETS, WRITE_KINDS, LoadConfig, MixError,
                                   check_mix_for_target, child_main, parse_mix)
+from shardgrid.bench_rounds import WorkerCounters, format_rounds, rounds_report
 from shardgrid.bench_stats import KindTotals, latency_summary, merge_into, new_histogram, overall
 
 RESULT_VERSION = 1
