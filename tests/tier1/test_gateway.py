@@ -2,18 +2,36 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
 
 from gateway.forward import LANE_DEPTH
+from shardgrid.gctune import tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
 
 # Slack on top of a deadline for "answered before the deadline" (scheduling, loopback).
 SLACK_S = 0.08
+
+
+@pytest.fixture(autouse=True)
+def gateway_gc_policy() -> Iterator[None]:
+    """The collector as the gateway process runs it (shardgrid/gctune.py): young
+    collections only. Under pytest's default one, a full collection of the
+    test process's heap (hundreds of tests' worth by then) paused the
+    in-process gateway for 130 ms in the middle of a 300 ms deadline (CI)."""
+    saved = gc.get_threshold()
+    tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
 
 
 async def test_each_id_goes_to_its_shard_leader(aiohttp_server: Any, aiohttp_client: Any) -> None:
