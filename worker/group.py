@@ -272,9 +272,13 @@ class GroupShell:
         self._last_snapshot_seq = hs.snap_seq
         if self.snap_dir.exists():
             prune_snapshots(self.snap_dir, hs.snap_seq)
-            # Captures a previous run made and never installed (it died first).
+            # Captures a previous run made and never installed (it died first),
+            # and its unfinished downloads (prune leaves those alone: a running
+            # download must not lose its file; none runs before open).
             for stray in self.snap_dir.glob(".plugin-*"):
                 shutil.rmtree(stray, ignore_errors=True)
+            for stray in self.snap_dir.glob(".download-*.partial"):
+                stray.unlink(missing_ok=True)
         resync = marker.exists()
         stored = m.StoredState(term=hs.term, entries=[decode_entry(e.payload) for e in rec.entries],
                                snapshot=snapshot, commit=hs.commit, resync=resync)

@@ -538,3 +538,16 @@ async def test_an_archive_ahead_of_the_wal_is_served_but_recovery_uses_the_wals_
         assert ahead is not None and ahead.seq == out[0].seq and read_meta(ahead.path).seq == out[0].seq
     finally:
         await h.close()
+
+
+async def test_opening_a_group_removes_what_a_crashed_run_left_in_its_snapshot_dir(tmp_path: Path) -> None:
+    snaps = tmp_path / "snapshots"
+    (snaps / ".plugin-7-abc").mkdir(parents=True)
+    leftovers = [snaps / ".download-9-1.partial", snaps / "snap-00000000000000000009-0000000001.partial"]
+    for f in leftovers:
+        f.write_bytes(b"x")
+    g = await _single_voter(tmp_path, snapshot_every=1000)
+    try:
+        assert not any(f.exists() for f in leftovers) and not (snaps / ".plugin-7-abc").exists()
+    finally:
+        await g.close()
