@@ -83,7 +83,7 @@ class GatewayConfig:
     listen: str = "127.0.0.1:8080"
     meta: tuple[str, ...] = ()
     admin_token: str | None = None
-    access_log: bool = True
+    access_log: bool = False  # one info line per request: an operator opt-in (CPU on every request)
     max_body_bytes: int = 1 << 20
     coalesce: bool = True  # queue single writes behind an in-flight call to the group (see forward.py)
     pool_size: int = 4096  # connections to workers and meta, all hosts together

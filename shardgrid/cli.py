@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
     g.add_argument("--admin-token-file", default=None,
                    help="admin token for /cluster/* (else env SHARDGRID_ADMIN_TOKEN; none = not checked here)")
-    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                   help="one structured log line per request (default on; off saves CPU at high rates)")
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="one structured info line per request (default off: it costs CPU on every request)")
     g.set_defaults(func=_cmd_gateway)
 
     from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
