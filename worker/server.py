@@ -63,9 +63,14 @@ def _rid_ok(rid: Any) -> bool:
 
 @dataclass(slots=True)
 class CallResult:
+    """One op's answer. The x-* headers are made only for an HTTP reply: the
+    call stream carries the body alone, and builds thousands of these a second."""
+
     status: int
     body: Any
-    headers: dict[str, str] | None = None
+    shard: int | None = None
+    term: int = 0
+    seq: int = 0
 
 
 class _Outbox:
@@ -194,8 +199,9 @@ class WorkerApi:
 
     def _respond(self, request: web.Request, res: "CallResult") -> web.Response:
         resp = _answer(request, res.body, status=res.status)
-        if res.headers:
-            resp.headers.update(res.headers)
+        if res.shard is not None:
+            resp.headers.update({"x-shard": str(res.shard), "x-term": str(res.term), "x-seq": str(res.seq),
+                                 "x-served-by": self.node.id})
         return resp
 
     async def do_write(self, shell: Any, body: Any) -> "CallResult":
@@ -268,12 +274,11 @@ class WorkerApi:
                           maybe_applied=True if out.maybe_applied else None)
 
     def _outcome(self, shell: Any, out: Any) -> "CallResult":
-        headers = {"x-shard": str(shell.gid), "x-term": str(out.term), "x-seq": str(out.seq),
-                   "x-served-by": self.node.id}
         if out.ok:
-            return CallResult(200, {"seq": out.seq, "term": out.term, "result": out.result}, headers)
+            return CallResult(200, {"seq": out.seq, "term": out.term, "result": out.result},
+                              shell.gid, out.term, out.seq)
         code = out.error_code or "unavailable"
-        return CallResult(STATUS_FOR_CODE.get(code, 503), self._error(shell, out), headers)
+        return CallResult(STATUS_FOR_CODE.get(code, 503), self._error(shell, out), shell.gid, out.term, out.seq)
 
     async def calls(self, request: web.Request) -> web.StreamResponse:
         """The gateways' call stream: frames of `[id, op, gid, body]` calls in, of `[id, status, body]` answers out.

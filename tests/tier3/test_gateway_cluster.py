@@ -129,17 +129,17 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
             proc.wait()
 
 
-@pytest.mark.parametrize("batch", [0, 5])
+@pytest.mark.parametrize("mode", ["closed", "closed-batch5", "open-2procs"])
 def test_the_benchmark_counts_exactly_the_writes_the_cluster_applied(cluster: Cluster, tmp_path: Path,
-                                                                      batch: int) -> None:
+                                                                      mode: str) -> None:
     # Increments of 20 counters: after the run, the counters' sum is the
     # number of writes that were applied, which must equal what the bench
     # reports as acknowledged (snapshot_every=100: snapshots are taken meanwhile).
     out = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "shardgrid.cli", "bench", "--duration", "2", "--warmup", "0", "--concurrency", "8",
+    argv = [sys.executable, "-m", "shardgrid.cli", "bench", "--duration", "2", "--warmup", "0",
             "--mix", "incr=100", "--keys", "20", "--quiet", "--json", str(out)]
-    if batch:
-        argv += ["--batch", str(batch)]
+    argv += {"closed": ["--concurrency", "8"], "closed-batch5": ["--concurrency", "8", "--batch", "5"],
+             "open-2procs": ["--rate", "300", "--procs", "2"]}[mode]
     for addr in cluster.gateways:
         argv += ["--gateway", f"http://{addr}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -153,6 +153,10 @@ def test_the_benchmark_counts_exactly_the_writes_the_cluster_applied(cluster: Cl
     r = orjson.loads(out.read_bytes())
     assert r["errors"]["total"] == 0 and not r["errors"].get("record_errors"), r["errors"]
     assert r["acked_writes"] > 100
+    if mode == "open-2procs":  # the two processes together sent every arrival of the schedule: 300/s for 2 s
+        ol = r["open_loop"]
+        assert r["client"]["procs"] == 2 and ol["unsent"] == 0 and ol["sent"] == ol["scheduled"], ol
+        assert r["ops"] == pytest.approx(600, abs=30), ol
     applied = 0
     for i in range(20):
         status, body = http_json("GET", f"http://{cluster.gateways[0]}/signals/bench-{i}")
