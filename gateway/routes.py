@@ -17,7 +17,8 @@ characters, no `#`; a uuid4 hex is generated when absent). Every header is
 validated on every data request, used or not. The request id is the write's
 dedup id at the workers: a retry with the same id applies once, so a client
 must never reuse one for a different write. `/batch` write i uses
-`<request id>#<i>`.
+`<request id>#<i>`, except that a shard's puts go together as one write,
+`<request id>#s<shard>` (gateway/batching.py).
 
 Response headers: `x-request-id` always; `x-shard`, `x-term`, `x-seq`,
 `x-served-by` on single-entity requests (from the worker that answered);
@@ -54,6 +55,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.batching import ShardWrites, shard_writes, spread_results
 from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
@@ -603,18 +605,20 @@ class Gateway:
         table, deadline = await self._table(opts)
         parsed = [batch_write(item, i, table.embedding_dim, len(raw)) for i, item in enumerate(writes)]
         by_shard: dict[int, list[int]] = {}
+        shard_for = table.shard_for
         for i, (key, _) in enumerate(parsed):
-            by_shard.setdefault(table.shard_for(key), []).append(i)
+            by_shard.setdefault(shard_for(key), []).append(i)
         ack = opts.ack or table.ack
+        ops = [op for _, op in parsed]
+        # Every shard's writes before any is sent: a doc over the limit is a 400 that changed nothing.
+        parts = {gid: shard_writes(ops, idxs, opts.request_id, gid, MAX_DOC_BYTES) for gid, idxs in by_shard.items()}
 
-        async def one(gid: int, idxs: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
-            ops = [(parsed[i][1], f"{opts.request_id}#{i}") for i in idxs]
-            return idxs, await self.rt.fwd.write_batch(gid, ops, ack, deadline, trace)
+        async def one(gid: int, sw: ShardWrites) -> tuple[ShardWrites, list[dict[str, Any]]]:
+            return sw, await self.rt.fwd.write_batch(gid, sw.writes, ack, deadline, trace)
 
         results: list[Any] = [None] * len(parsed)
-        for idxs, res in await asyncio.gather(*(one(g, i) for g, i in by_shard.items())):
-            for i, r in zip(idxs, res):
-                results[i] = r
+        for sw, res in await asyncio.gather(*(one(g, sw) for g, sw in parts.items())):
+            spread_results(sw, ops, res, results)
         if any("error" in r for r in results):
             trace.outcome = "partial"
         if len(by_shard) == 1:

@@ -287,7 +287,8 @@ class GroupShell:
         self.replica = Replica(self.node_id, self.gid,
                                m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
                                                snapshot_retry_ms=SNAPSHOT_RETRY_MS,
-                                               snapshot_every=self._snapshot_after), stored)
+                                               snapshot_every=self._snapshot_after,
+                                               op_weight=self.plugin.weight), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 

@@ -388,6 +388,15 @@ class Replica:
         base = self._snap_seq + 1
         return self._log[max(lo - base, 0) : max(hi - base + 1, 0)]
 
+    def _writes_in(self, e: Entry) -> int:
+        """Client writes in `e` (0 for the core's own entries)."""
+        weight = self._cfg.op_weight
+        if e.kind == "op":
+            return 1 if weight is None else weight(e.data)
+        if e.kind == "ops":
+            return len(e.data) if weight is None else sum(map(weight, e.data))
+        return 0
+
     def _batch_from(self, lo: int) -> list[Entry]:
         """The entries one Append or FetchReply carries from `lo`: at most
         `max_batch_entries`, and at most `max_batch_ops` client writes (an
@@ -396,7 +405,7 @@ class Replica:
         batch = self.entries(lo, lo + self._cfg.max_batch_entries - 1)
         budget = self._cfg.max_batch_ops
         for i, e in enumerate(batch):
-            budget -= len(e.data) if e.kind == "ops" else 1
+            budget -= self._writes_in(e) or 1
             if budget < 0 and i > 0:
                 return batch[:i]
         return batch
@@ -1600,7 +1609,7 @@ class Replica:
                     if pending.get(rid) == e.seq:
                         del pending[rid]
             if every and (e.kind == "op" or e.kind == "ops"):
-                self._since_snapshot += len(e.data) if e.kind == "ops" else 1
+                self._since_snapshot += self._writes_in(e)
                 if self._since_snapshot >= every:
                     self._since_snapshot = 0
                     self._out.append(Apply(batch[start : i + 1]))

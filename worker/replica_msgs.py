@@ -12,7 +12,7 @@ sender's current term, which is what fences stale leaders.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Callable, Literal, TypeAlias
 
 EntryKind: TypeAlias = Literal["op", "ops", "term_start", "config"]
 AckMode: TypeAlias = Literal["leader", "quorum", "all"]
@@ -129,6 +129,10 @@ class ReplicaConfig:
     # Client writes between snapshot points (TakeSnapshot); 0: none, the
     # shell sends Compact at seqs of its choosing.
     snapshot_every: int = 0
+    # Client writes one op stands for (the plugin's `weight`; None: 1 each).
+    # It counts toward snapshot_every and max_batch_ops, so a bulk op of a
+    # thousand records is not taken for one write.
+    op_weight: Callable[[Any], int] | None = None
 
 
 # --------------------------------------------------------------------------

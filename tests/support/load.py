@@ -1,7 +1,10 @@
 """A bounded load generator for tier3 tests: concurrent clients through gateways.
 
 Each client owns its keys: write-once items with unique values, a few strong
-reads of them, and +1 increments of a counter of its own entity. Every
+reads of them, and +1 increments of a counter of its own entity. With
+`batch_share`, some of its puts go as one `POST /batch` of several keys
+(spread over the shards); each is then a write of its own in the history,
+judged by its own result in the batch's answer. Every
 operation goes into a `History` (invoke/complete/outcome), and every error
 code seen is counted, so tests can assert on client-visible errors as well as
 on the checkers' verdicts. Bounded in count (ops per client) and time.
@@ -49,7 +52,7 @@ class LoadResult:
 class LoadGenerator:
     def __init__(self, gateways: list[str], clients: int = 8, ops_per_client: int = 200, seed: int = 1,
                  deadline_ms: int = 4000, incr_share: float = 0.2, read_share: float = 0.3,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, batch_share: float = 0.0, batch_size: tuple[int, int] = (4, 12)) -> None:
         self.gateways = [g if g.startswith("http") else f"http://{g}" for g in gateways]
         self.clients = clients
         self.ops_per_client = ops_per_client
@@ -57,6 +60,8 @@ class LoadGenerator:
         self.deadline_ms = deadline_ms
         self.incr_share = incr_share
         self.read_share = read_share
+        self.batch_share = batch_share
+        self.batch_size = batch_size
         self.prefix = prefix or uuid.uuid4().hex[:6]
         self.result = LoadResult(History())
         self.stop = asyncio.Event()
@@ -115,6 +120,8 @@ class LoadGenerator:
                     h.complete(op, "ok", None)
                 else:
                     h.complete(op, "unknown")
+            elif roll < self.incr_share + self.read_share + self.batch_share:
+                await self._batch(session, client, i, written)
             else:
                 key = f"{self.prefix}-c{client}-k{i}"
                 value = f"{key}:{uuid.uuid4().hex[:8]}"
@@ -127,6 +134,27 @@ class LoadGenerator:
                 else:
                     h.complete(op, self._outcome(body, status))
                 written.append(key)
+
+    async def _batch(self, session: aiohttp.ClientSession, client: int, i: int, written: list[str]) -> None:
+        h = self.result.history
+        keys = [f"{self.prefix}-c{client}-k{i}-b{j}" for j in range(self.rng.randint(*self.batch_size))]
+        values = [f"{k}:{uuid.uuid4().hex[:8]}" for k in keys]
+        ops = [h.invoke(client, "write", k, v) for k, v in zip(keys, values)]
+        body = {"writes": [{"op": "put_item", "id": k, "doc": {"v": v}} for k, v in zip(keys, values)]}
+        status, answer = await self._call(session, "POST", "/batch", body, uuid.uuid4().hex, client)
+        results = answer.get("results") if status == 200 and isinstance(answer, dict) else None
+        if not isinstance(results, list) or len(results) != len(keys):
+            results = [answer] * len(keys)  # the whole request failed: its outcome is every write's
+        for op, k, v, r in zip(ops, keys, values, results):
+            err = r.get("error") if isinstance(r, dict) else None
+            if status == 200 and isinstance(r, dict) and err is None:
+                h.complete(op, "ok")
+                self.result.items[k] = v
+            else:
+                if isinstance(err, dict):
+                    self.result.errors[str(err.get("code"))] += 1
+                h.complete(op, self._outcome(r, status if status != 200 else 500))
+            written.append(k)
 
     @staticmethod
     def _outcome(body: Any, status: int) -> Any:

@@ -218,6 +218,11 @@ class Params:
 PROFILES = ("mixed", "failover")
 
 
+def sim_weight(op: Any) -> int:
+    """A deterministic weight of 1..4 per simulated op (its value)."""
+    return 1 + op % 4 if isinstance(op, int) else 1
+
+
 def draw_params(rng: random.Random, profile: str | None = None) -> Params:
     """Everything about a run that is not the schedule itself.
 
@@ -282,6 +287,9 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             snapshot_retry_ms=400,
             promote_max_lag=rng.choice((2, 64)),
             snapshot_every=rng.choice((0, 3, 10)),
+            # Some ops stand for several client writes (a plugin's bulk op):
+            # snapshot points and catch-up messages count by weight.
+            op_weight=rng.choice((None, sim_weight)),
         ),
     )
 

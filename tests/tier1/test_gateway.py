@@ -331,8 +331,21 @@ async def test_batch_is_one_write_batch_per_shard_with_results_in_order(aiohttp_
     batches = [(wid, c) for wid, c in f.calls()]
     assert all(c.kind == "write_batch" for _, c in batches)
     assert sorted(c.gid for _, c in batches) == sorted({shard_for(k, 3) for k in keys})  # one call per shard
-    rids = sorted(w["rid"] for _, c in batches for w in c.body["writes"])
-    assert rids == sorted(f"B1#{i}" for i in range(len(writes)))
+    # Each shard's puts went as one put_items (id B1#s<shard>, docs as JSON);
+    # every other write, and a shard's lone put, kept its own op and id B1#<i>.
+    sent = {c.gid: c.body["writes"] for _, c in batches}
+    expect: dict[str, Any] = {}
+    for gid in sent:
+        puts = [i for i in range(12) if shard_for(f"i{i}", 3) == gid]
+        if len(puts) > 1:
+            expect[f"B1#s{gid}"] = {"kind": "put_items", "ids": [f"i{i}" for i in puts],
+                                    "docs": [orjson.dumps({"i": i}) for i in puts]}
+            others = [i for i in range(len(writes)) if i >= 12 and shard_for(keys[i], 3) == gid]
+        else:
+            others = [i for i in range(len(writes)) if shard_for(keys[i], 3) == gid]
+        expect.update({f"B1#{i}": None for i in others})
+    got = {w["rid"]: (w["op"] if w["op"]["kind"] == "put_items" else None) for ws in sent.values() for w in ws}
+    assert got == expect and any(op is not None for op in got.values())
 
 
 async def test_batch_items_refused_by_a_moving_leader_are_retried(aiohttp_server: Any, aiohttp_client: Any) -> None:
@@ -347,7 +360,9 @@ async def test_batch_items_refused_by_a_moving_leader_are_retried(aiohttp_server
     resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": "R"})
     results = (await resp.json())["results"]
     assert [r["served_by"] for r in results] == ["B"] * 5
-    assert [w["rid"] for w in f.workers["B"].calls[0].body["writes"]] == [f"R#{i}" for i in range(5)]
+    [moved_puts] = f.workers["B"].calls[0].body["writes"]
+    assert moved_puts["rid"] == "R#s0" and moved_puts["op"]["ids"] == [f"k{i}" for i in range(5)]
+    assert [r["result"] for r in results] == [{"id": f"k{i}", "created": True} for i in range(5)]
 
 
 async def test_concurrent_writes_to_a_busy_group_are_coalesced(aiohttp_server: Any, aiohttp_client: Any) -> None:

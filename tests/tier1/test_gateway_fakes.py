@@ -122,6 +122,12 @@ class FakeWorker:
             created = key not in self.items
             self.items[key] = op["doc"]
             return True, {"id": op["id"], "created": created}
+        if kind == "put_items":  # docs come as their JSON encoding
+            created = []
+            for id, doc in zip(op["ids"], op["docs"]):
+                created.append((gid, id) not in self.items)
+                self.items[(gid, id)] = orjson.loads(doc)
+            return True, {"created": created}
         if kind == "delete_item":
             return True, {"id": op["id"], "deleted": self.items.pop(key, None) is not None}
         if kind == "put_embedding":

@@ -94,6 +94,23 @@ async def test_a_rid_repeated_in_a_batch_gets_the_result_each_time(shell: GroupS
     assert [o.result for o in out] == [{"id": "k1", "created": True}] * 2 and out[0].seq == out[1].seq
 
 
+async def test_a_bulk_put_is_one_entry_counted_by_its_records(shell: GroupShell) -> None:
+    ids = [f"b{i}" for i in range(60)]
+    bulk = {"kind": "put_items", "ids": ids, "docs": [b'{"n":%d}' % i for i in range(60)]}
+    [out] = await shell.write_many([(bulk, "B#s0")], "quorum", 5.0)
+    assert out.ok and out.result == {"created": [True] * 60}
+    assert shell.plugin.query({"kind": "get_item", "id": "b59"}) == {"n": 59}
+    # 60 client writes: past the fixture's snapshot_every of 50, in one entry.
+    await _until(lambda: shell.latest_snapshot() is not None)
+    assert shell.latest_snapshot().seq == out.seq  # type: ignore[union-attr]
+    # The same request id again (a gateway's retry): applied once, same seq.
+    changed = {**bulk, "docs": [b"0"] * 60}
+    [again] = await shell.write_many([(changed, "B#s0")], "quorum", 5.0)
+    assert again.ok and again.seq == out.seq
+    assert shell.plugin.query({"kind": "get_item", "id": "b59"}) == {"n": 59}
+    assert shell.replica is not None and shell.replica.last_seq == out.seq
+
+
 async def test_an_op_refused_at_apply_fails_alone_in_its_batch(shell: GroupShell) -> None:
     def incr(v: int) -> dict[str, Any]:
         return {"kind": "signal", "entity": "e", "name": "n", "value": v, "mode": "incr"}

@@ -24,7 +24,8 @@ from worker.plugins import (
     available_plugins,
     load_plugin,
 )
-from worker.plugins.entities import FORMAT, FORMAT_VERSION, MAX_K, SNAPSHOT_RUN, STATE_FILE, EntitiesPlugin
+from worker.plugins.entities import (FORMAT, FORMAT_VERSION, MAX_K, MAX_PUT_ITEMS, SNAPSHOT_RUN, STATE_FILE,
+                                     EntitiesPlugin)
 
 DIM = 8
 CTX = ApplyContext(seq=1, term=1, ts_ms=1_700_000_000_000)
@@ -183,6 +184,45 @@ def test_validate_fast_path_for_puts_agrees_with_the_general_parse(op: dict[str,
 # ---------------------------------------------------------------- signals
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_put_items_is_the_state_of_the_same_puts_one_by_one(seed: int, tmp_path: Path) -> None:
+    # Snapshots byte for byte (insertion order, sizes and stats included), and
+    # the same `created` flags, with ids repeated inside a batch and across.
+    rng = random.Random(seed)
+    bulk, single = make(), make()
+    for p in (bulk, single):
+        apply_all(p, [{"kind": "put_item", "id": f"k{i}", "doc": {"old": i}} for i in range(0, 40, 3)])
+    for b in range(6):
+        ids = [f"k{rng.randrange(40)}" for _ in range(rng.randint(1, 25))] + ["é-ü"]
+        docs = [{"v": rng.random(), "s": "x" * rng.randrange(50), "n": [1, None, True]} for _ in ids]
+        out = bulk.apply({"kind": "put_items", "ids": ids, "docs": [orjson.dumps(d) for d in docs]}, CTX)
+        one = [single.apply({"kind": "put_item", "id": i, "doc": d}, CTX) for i, d in zip(ids, docs)]
+        assert out == {"created": [r["created"] for r in one]}
+    assert bulk.stats() == single.stats()
+    assert snapshot_bytes(bulk, tmp_path / "bulk") == snapshot_bytes(single, tmp_path / "single")
+    assert bulk.query({"kind": "get_item", "id": "é-ü"}) == single.query({"kind": "get_item", "id": "é-ü"})
+
+
+def test_put_items_validation_admits_what_the_one_by_one_puts_would() -> None:
+    p = make()
+    p.validate({"kind": "put_items", "ids": ["é" * 128, "a"], "docs": [b'{"a": [1, 2.5]}', b'"s"']})
+    with pytest.raises(BadOp, match=r"ids\[0\] is 258 bytes"):
+        p.validate({"kind": "put_items", "ids": ["é" * 129], "docs": [b"1"]})
+    with pytest.raises(BadOp, match=r"ids\[0\] is not valid Unicode"):
+        p.validate({"kind": "put_items", "ids": ["\udc80"], "docs": [b"1"]})
+    with pytest.raises(BadOp, match=r"docs\[0\] is 11 bytes of JSON; the limit is 10"):
+        make(max_item_bytes=10).validate({"kind": "put_items", "ids": ["a"], "docs": [b'"123456789"']})
+
+
+def test_weight_counts_the_records_of_a_bulk_op() -> None:
+    p = make()
+    assert p.weight({"kind": "put_items", "ids": ["a", "b", "c"], "docs": [b"1"] * 3}) == 3
+    assert p.weight({"kind": "put_item", "id": "a", "doc": 1}) == 1
+    for odd in ({"kind": "put_items", "ids": []}, {"kind": "put_items", "ids": "abc"}, {"kind": "put_items"},
+                "put_items", None, {"kind": "signal"}):
+        assert p.weight(odd) == 1  # never raises, whatever the op
+
+
 def test_signal_incr_totals_and_set_last() -> None:
     p = make()
     results = apply_all(p, [{"kind": "signal", "entity": "u", "name": "clicks", "value": 3, "mode": "incr"}] * 500)
@@ -247,6 +287,22 @@ BAD_OPS: list[tuple[Any, str, bool]] = [
     ({"kind": "put_item", "id": "a", "doc": {1: "x"}}, "put_item: doc is not JSON-encodable", False),
     ({"kind": "put_item", "id": "a", "doc": b"bytes"}, "put_item: doc is not JSON-encodable", False),
     ({"kind": "put_item", "id": "a", "doc": 2**70}, "put_item: doc is not JSON-encodable", False),
+    ({"kind": "put_items", "ids": "a", "docs": [b"1"]}, "put_items: ids and docs must be lists, got str and list", False),
+    ({"kind": "put_items", "ids": [], "docs": []}, "ids and docs must be non-empty and of one length, got 0 and 0", False),
+    ({"kind": "put_items", "ids": ["a", "b"], "docs": [b"1"]}, "of one length, got 2 and 1", False),
+    ({"kind": "put_items", "ids": ["a"] * (MAX_PUT_ITEMS + 1), "docs": [b"1"] * (MAX_PUT_ITEMS + 1)},
+     f"put_items: {MAX_PUT_ITEMS + 1} ids; the limit is {MAX_PUT_ITEMS}", False),
+    ({"kind": "put_items", "ids": ["a", 7], "docs": [b"1", b"2"]}, "put_items: ids[1] must be a string, got int", False),
+    ({"kind": "put_items", "ids": ["a", ""], "docs": [b"1", b"2"]}, "put_items: ids[1] must not be empty", False),
+    ({"kind": "put_items", "ids": ["a", "x" * 257], "docs": [b"1", b"2"]},
+     "put_items: ids[1] is 257 bytes of UTF-8; the limit is 256", True),
+    ({"kind": "put_items", "ids": ["a", "b"], "docs": [b"1", {"v": 1}]},
+     "put_items: docs[1] must be the doc's JSON as bytes, got dict", False),
+    ({"kind": "put_items", "ids": ["a"], "docs": [b"1" * ((1 << 20) + 1)]},
+     "put_items: docs[0] is 1048577 bytes of JSON; the limit is 1048576", True),
+    ({"kind": "put_items", "ids": ["a", "b"], "docs": [b"1", b"{nope"]}, "put_items: docs[1] is not JSON", True),
+    ({"kind": "put_items", "ids": ["a"], "docs": [b"1"], "x": 1}, "put_items: unexpected key(s) 'x'", False),
+    ({"kind": "put_items", "ids": ["a"]}, "put_items: missing 'docs'", False),
     ({"kind": "delete_item"}, "delete_item: missing 'id'", False),
     ({"kind": "delete_item", "id": None}, "delete_item: id must be a string, got null", False),
     ({**SIG, "value": True}, "signal: value must be a number (int or float), got bool", False),

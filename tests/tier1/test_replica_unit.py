@@ -473,6 +473,53 @@ def test_appends_to_a_lagging_follower_are_bounded_in_writes() -> None:
     assert max(sizes) <= 10 and sum(sizes) >= 20  # never more than max_batch_ops writes in one Append
 
 
+def _weight(op: Any) -> int:
+    """A bulk op in these tests: ("bulk", n) stands for n client writes."""
+    return op[1] if isinstance(op, tuple) and op[0] == "bulk" else 1
+
+
+def test_appends_to_a_lagging_follower_are_bounded_by_op_weight() -> None:
+    net = ready_net(cfg=ReplicaConfig(max_batch_ops=10, op_weight=_weight))
+    net.drop = lambda m: m.dst == "c"
+    for b in range(6):
+        net.do("a", ClientWrite(f"w{b}", ("bulk", 4), rid=f"r{b}"))
+        net.run()
+    net.drop = lambda m: False
+    net.tick(1000)
+    net.run()
+    assert net.r["c"].last_seq == net.r["a"].last_seq
+    sizes = [sum(_weight(e.data) for e in a.entries if e.kind == "op") for a in net.sent(Append) if a.dst == "c"]
+    # Counted as entries, all six bulk ops would fit one Append; by weight, two per Append.
+    assert max(sizes) == 8 and sum(sizes) >= 24  # (sent counts the dropped tries too)
+
+
+def test_a_bulk_op_alone_over_the_bound_still_goes() -> None:
+    net = ready_net(cfg=ReplicaConfig(max_batch_ops=10, op_weight=_weight))
+    net.drop = lambda m: m.dst == "c"
+    net.do("a", ClientWrite("w", ("bulk", 50), rid="r"))
+    net.run()
+    net.drop = lambda m: False
+    net.tick(1000)
+    net.run()
+    assert net.r["c"].last_seq == net.r["a"].last_seq  # the first entry goes even when it alone is over
+
+
+def test_snapshot_points_count_op_weight() -> None:
+    net = ready_net(cfg=ReplicaConfig(snapshot_every=10, op_weight=_weight))
+    for i, n in enumerate((3, 6, 1, 2)):  # seqs 2..5: 3, 9, 10 (a point), 2
+        net.do("a", ClientWrite(f"w{i}", ("bulk", n), rid=f"r{i}"))
+        net.run()
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert [t.seq for t in net.of("a", TakeSnapshot)] == [4]
+    many = ClientWriteMany(("m1", "m2"), (("bulk", 4), ("bulk", 4)), "quorum", ("q1", "q2"))
+    net.do("a", many)  # one "ops" entry at seq 6 of weight 8: 2 + 8 = 10
+    net.run()
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert [t.seq for t in net.of("a", TakeSnapshot)] == [4, 6]
+
+
 def test_writes_submitted_together_are_refused_together_off_leader() -> None:
     net = ready_net()
     out = net.do("b", ClientWriteMany(("x1", "x2"), ("a", "b"), "quorum", ("q1", "q2")))

@@ -147,7 +147,9 @@ def test_1_sigkill_workers_at_random_points(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(int(os.environ.get("SHARDGRID_CHAOS_SEED", "1")))
     killpoints = int(os.environ.get("SHARDGRID_KILLPOINTS", "5"))
-    load = Background(LoadGenerator(c.gateways, clients=10, ops_per_client=100_000, seed=rng.randrange(1 << 30)),
+    # A tenth of the operations are /batch puts: bulk writes must survive the kills too.
+    load = Background(LoadGenerator(c.gateways, clients=10, ops_per_client=100_000, seed=rng.randrange(1 << 30),
+                                    batch_share=0.1),
                       max_seconds=120.0 + 40.0 * killpoints)
     reader = FollowerReader(c, [])
     reader.start()

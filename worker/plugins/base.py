@@ -140,6 +140,14 @@ class Plugin(Protocol):
         """
         ...
 
+    def weight(self, op: Any) -> int:
+        """How many client writes `op` stands for (1 for most ops; a bulk op
+        counts its records). The replication layer spaces snapshots and sizes
+        catch-up messages by it. A pure function of the op, cheap, and never
+        raising, whatever the op (it may be called before validation).
+        """
+        ...
+
     def query(self, q: dict[str, Any]) -> Any:
         """Answer a read from the current state. Raises BadOp or NotFound."""
         ...

@@ -14,12 +14,21 @@ embeddings  `embedding_dim` float32 vectors; `search` is cosine top-k.
 Ops (apply) and what apply returns:
 
     {"kind": "put_item", "id", "doc"}          -> {"id", "created": bool}
+    {"kind": "put_items", "ids": [id, ...], "docs": [bytes, ...]}
+                                               -> {"created": [bool, ...]}
     {"kind": "delete_item", "id"}              -> {"id", "deleted": bool}
     {"kind": "signal", "entity", "name", "value", "mode": "incr"|"set"}
                                                -> the counter's new total (incr)
                                                   or the value (set): a number
     {"kind": "put_embedding", "id", "vector"}  -> {"id", "created": bool}
     {"kind": "delete_embedding", "id"}         -> {"id", "deleted": bool}
+
+`put_items` is the bulk form of `put_item` (a gateway sends one per shard of
+a `/batch`): docs[i] is already the JSON encoding of ids[i]'s doc, so no
+replica decodes or re-encodes it, and the batch is one op, one log entry and
+one request id. It is all or nothing like every op; an id may repeat (the
+last doc wins, `created` is true only for the first). Its weight (`weight`)
+is its number of ids: the replication layer counts client writes with it.
 
 Deleting something absent is not an error (`deleted: false`): a log entry is
 applied whatever the state, and the HTTP layer can still answer 404 from it.
@@ -102,6 +111,7 @@ Number = Union[int, float]
 # kind -> its keys besides "kind" (all required, nothing else allowed).
 _OPS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "put_item": ("id", "doc"),
+    "put_items": ("ids", "docs"),
     "delete_item": ("id",),
     "signal": ("entity", "name", "value", "mode"),
     "put_embedding": ("id", "vector"),
@@ -119,6 +129,8 @@ _SIGNAL_MODES = ("incr", "set")
 _EXACT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
     {kind: frozenset(("kind",) + keys) for kind, keys in (*_OPS.items(), *_QUERIES.items())})
 _PUT_KEYS = _EXACT_KEYS["put_item"]
+_PUTS_KEYS = _EXACT_KEYS["put_items"]
+MAX_PUT_ITEMS = 10_000  # ids in one put_items (a gateway's /batch holds at most 1,000 writes)
 
 
 # ---------------------------------------------------------------- parsed ops
@@ -128,6 +140,12 @@ _PUT_KEYS = _EXACT_KEYS["put_item"]
 class _PutItem:
     id: str
     encoded: bytes  # the doc's orjson encoding: what is stored
+
+
+@dataclass(frozen=True, slots=True)
+class _PutItems:
+    ids: list[str]
+    docs: list[bytes]  # each one's JSON encoding: what is stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +173,7 @@ class _DeleteEmbedding:
     id: str
 
 
-_Op = Union[_PutItem, _DeleteItem, _Signal, _PutEmbedding, _DeleteEmbedding]
+_Op = Union[_PutItem, _PutItems, _DeleteItem, _Signal, _PutEmbedding, _DeleteEmbedding]
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -241,6 +259,43 @@ def _plain_put_id(op: Any, max_len: int | None) -> str | None:
         if type(id) is str and id and id.isascii() and (max_len is None or len(id) <= max_len):
             return id
     return None
+
+
+def _put_items_parts(op: dict[str, Any], max_id: int | None, max_bytes: int | None,
+                     admit: bool) -> tuple[list[str], list[bytes]]:
+    """(ids, docs) of a put_items op of the right shape; BadOp naming the first bad index.
+
+    `admit` (the leader, before the op enters the log) also checks that every
+    doc is JSON: a stored doc is served as is. The common case runs as C-level
+    loops; only a bad op pays for finding which element is bad.
+    """
+    ids, docs = op["ids"], op["docs"]
+    if type(ids) is not list or type(docs) is not list:
+        raise BadOp(f"put_items: ids and docs must be lists, got {_tname(ids)} and {_tname(docs)}")
+    if not ids or len(ids) != len(docs):
+        raise BadOp(f"put_items: ids and docs must be non-empty and of one length, got {len(ids)} and {len(docs)}")
+    if len(ids) > MAX_PUT_ITEMS:
+        raise BadOp(f"put_items: {len(ids)} ids; the limit is {MAX_PUT_ITEMS}")
+    longest = sys.maxsize if max_id is None else max_id
+    if not all(type(i) is str and 0 < len(i) <= longest and i.isascii() for i in ids):
+        for n, id in enumerate(ids):  # non-ASCII ids are fine when they encode within the limit
+            problem = id_problem(id, f"put_items: ids[{n}]", max_id, _tname)
+            if problem is not None:
+                raise BadOp(problem)
+    biggest = sys.maxsize if max_bytes is None else max_bytes
+    if not all(type(d) is bytes and len(d) <= biggest for d in docs):
+        for n, doc in enumerate(docs):
+            if type(doc) is not bytes:
+                raise BadOp(f"put_items: docs[{n}] must be the doc's JSON as bytes, got {_tname(doc)}")
+            if len(doc) > biggest:
+                raise BadOp(f"put_items: docs[{n}] is {len(doc)} bytes of JSON; the limit is {max_bytes}")
+    if admit:
+        for n, doc in enumerate(docs):
+            try:
+                orjson.loads(doc)
+            except orjson.JSONDecodeError as e:
+                raise BadOp(f"put_items: docs[{n}] is not JSON: {e}") from None
+    return ids, docs
 
 
 def _vector(value: Any, where: str, dim: int) -> tuple[bytes, bytes]:
@@ -457,6 +512,8 @@ class EntitiesPlugin:
         match parsed:
             case _PutItem(id=id, encoded=encoded):
                 return self._put_item(id, encoded)
+            case _PutItems(ids=ids, docs=docs):
+                return self._put_items(ids, docs)
             case _DeleteItem(id=id):
                 old = s.items.pop(id, None)
                 if old is not None:
@@ -476,6 +533,32 @@ class EntitiesPlugin:
         s.items[id] = encoded
         s.item_bytes += len(encoded) - (len(old) if old is not None else 0)
         return {"id": id, "created": old is None}
+
+    def _put_items(self, ids: list[str], docs: list[bytes]) -> dict[str, Any]:
+        s = self._state
+        items = s.items
+        get = items.get
+        created: list[bool] = []
+        grown = 0
+        for id, doc in zip(ids, docs):
+            old = get(id)
+            items[id] = doc
+            if old is None:
+                grown += len(doc)
+                created.append(True)
+            else:
+                grown += len(doc) - len(old)
+                created.append(False)
+        s.item_bytes += grown
+        return {"created": created}
+
+    def weight(self, op: Any) -> int:
+        """Client writes in `op` (see base.py): a put_items counts its ids."""
+        if type(op) is dict and op.get("kind") == "put_items":
+            ids = op.get("ids")
+            if type(ids) is list and ids:
+                return len(ids)
+        return 1
 
     def _apply_signal(self, op: _Signal) -> Number:
         s = self._state
@@ -505,6 +588,8 @@ class EntitiesPlugin:
         if kind == "put_item":
             return _PutItem(_ident(op["id"], "put_item: id", id_len),
                             _doc(op["doc"], "put_item: doc", st.max_item_bytes if limits else None))
+        if kind == "put_items":
+            return _PutItems(*_put_items_parts(op, id_len, st.max_item_bytes if limits else None, admit=limits))
         if kind == "delete_item":
             return _DeleteItem(_ident(op["id"], "delete_item: id", id_len))
         if kind == "signal":
