@@ -37,6 +37,11 @@ class LoadResult:
     def acked_writes(self) -> int:
         return sum(1 for op in self.history if op.kind in ("write", "incr") and op.acked)
 
+    @property
+    def acked_batched_writes(self) -> int:
+        """Acknowledged puts that went in a /batch (their keys end in -b<j>)."""
+        return sum(1 for op in self.history if op.kind == "write" and op.acked and "-b" in op.key)
+
     def p99_ms(self) -> float:
         if not self.latencies_ms:
             return 0.0

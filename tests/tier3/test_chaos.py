@@ -182,6 +182,7 @@ def test_1_sigkill_workers_at_random_points(cluster: Cluster) -> None:
         reader.join(10)
         result = load.finish()
     assert reader.failures == [], reader.failures[:5]
+    assert result.acked_batched_writes > 100
     worst = max(failovers) if failovers else 0.0
     judge(c, result, "sigkill", f"killpoints={killpoints} failover_max={worst:.2f}s follower_reads={reader.reads}")
 
