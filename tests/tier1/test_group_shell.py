@@ -13,7 +13,8 @@ import structlog
 
 from worker import replica_msgs as m
 from worker.group import GroupSettings, GroupShell, _Restore, _snapshot_interval
-from worker.plugins.base import ApplyContext, BadOp, load_plugin
+from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, load_plugin
+from worker.plugins.entities import EntitiesPlugin
 from worker.snapshots import read_meta, write_snapshot
 
 
@@ -120,6 +121,74 @@ async def test_an_op_refused_at_apply_fails_alone_in_its_batch(shell: GroupShell
     assert [o.ok for o in out] == [True, False, True] and len({o.seq for o in out}) == 1
     assert out[0].result == {"id": "k5", "created": True} and out[2].result == {"id": "k6", "created": True}
     assert out[1].error_code == "bad_request" and "int64" in (out[1].message or "")
+
+
+class _NewerEntities(EntitiesPlugin):
+    """The next version of the plugin: it knows a `put_item_v2` op."""
+
+    def validate(self, op: dict[str, Any]) -> None:
+        if op.get("kind") != "put_item_v2":
+            super().validate(op)
+
+    def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
+        if op.get("kind") == "put_item_v2":
+            return super().apply({**op, "kind": "put_item"}, ctx)
+        return super().apply(op, ctx)
+
+
+async def test_a_committed_op_this_version_cannot_apply_stops_the_group_until_it_runs_one_that_can(
+        tmp_path: Path) -> None:
+    # A newer leader admitted an op of a kind this replica's plugin does not
+    # know (a worker upgrade in the wrong order). Recording it as a no-op
+    # would leave this replica silently different from the newer ones.
+    g = await _single_voter(tmp_path, snapshot_every=1000)
+    try:
+        await g.write_many([(put(1), "w1")], "quorum", 5.0)
+        g.plugin.validate = lambda op: None  # type: ignore[method-assign]  # the newer leader's admission
+        [out] = await g.write_many([({"kind": "put_item_v2", "id": "k2", "doc": 2}, "w2")], "quorum", 5.0)
+        assert not out.ok and out.error_code == "unavailable"
+        await _until(lambda: g.failed is not None)
+        assert "Unappliable" in (g.failed or "") and "put_item_v2" in (g.failed or "")
+        with pytest.raises(NotFound):
+            g.plugin.query({"kind": "get_item", "id": "k2"})
+        [refused] = await g.write_many([(put(3), "w3")], "quorum", 5.0)
+        assert not refused.ok and "failed here" in (refused.message or "")
+    finally:
+        await g.close()
+    # Restarted on the same version: it stops at the same entry again, never past it.
+    g = _restarted(tmp_path, EntitiesPlugin(PluginSettings()), term=2)
+    try:
+        await _until(lambda: g.failed is not None)
+        assert "put_item_v2" in (g.failed or "")
+        with pytest.raises(NotFound):
+            g.plugin.query({"kind": "get_item", "id": "k2"})
+    finally:
+        await g.close()
+    # Upgraded: the entry applies, and the replica goes on.
+    g = _restarted(tmp_path, _NewerEntities(PluginSettings()), term=3)
+    try:
+        await _until(lambda: g.replica is not None and g.replica.ready)
+        await _until(lambda: _has(g, "k2"))
+        assert g.failed is None and g.plugin.query({"kind": "get_item", "id": "k1"}) == {"n": 1}
+    finally:
+        await g.close()
+
+
+def _restarted(tmp_path: Path, plugin: EntitiesPlugin, term: int) -> GroupShell:
+    """The one-voter group of `_single_voter` reopened; meta names it leader of `term`."""
+    g = GroupShell("a", 0, tmp_path, plugin, GroupSettings(fsync="batch", snapshot_every=1000),
+                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+    g.open()
+    g.start()
+    g.deliver(m.MetaView(term, "a", ("a",), (), 0))
+    return g
+
+
+def _has(g: GroupShell, id: str) -> bool:
+    try:
+        return g.plugin.query({"kind": "get_item", "id": id}) == 2
+    except NotFound:
+        return False
 
 
 async def test_each_wal_fsync_is_reported_with_its_duration(shell: GroupShell) -> None:

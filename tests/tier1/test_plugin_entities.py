@@ -21,6 +21,7 @@ from worker.plugins import (
     Plugin,
     PluginSettings,
     SnapshotError,
+    Unappliable,
     available_plugins,
     load_plugin,
 )
@@ -254,8 +255,9 @@ def test_counter_overflow_is_a_badop_that_changes_nothing(start: float, add: flo
     with pytest.raises(BadOp, match=msg):
         p.apply({"kind": "signal", "entity": "u", "name": "c", "value": add, "mode": "incr"}, CTX)
     assert p.query({"kind": "get_signals", "entity": "u"}) == before
-    # The entity must not have been created by a failed op either.
-    with pytest.raises(BadOp):
+    # The entity must not have been created by a failed op either (NaN is the
+    # leader's to refuse: in a committed op it is a shape this version cannot apply).
+    with pytest.raises(Unappliable):
         p.apply({"kind": "signal", "entity": "new", "name": "c", "value": float("nan"), "mode": "incr"}, CTX)
     with pytest.raises(NotFound):
         p.query({"kind": "get_signals", "entity": "new"})
@@ -340,10 +342,11 @@ def test_bad_ops_are_rejected_with_a_clear_message(op: Any, msg: str, limit_only
     if limit_only:
         p.apply(op, CTX)
         return
-    # apply of an invalid op is a deterministic no-op that raises the same error.
-    with pytest.raises(BadOp) as ei2:
+    # A committed op only a newer leader would admit: apply refuses it loudly
+    # (not a BadOp, which the shell would record as a no-op), changing nothing.
+    with pytest.raises(Unappliable) as ei2:
         p.apply(op, CTX)
-    assert ei2.value.message == ei.value.message
+    assert not isinstance(ei2.value, BadOp) and ei.value.message in ei2.value.message
     assert snapshot_bytes(p, tmp_path / "after") == before
 
 

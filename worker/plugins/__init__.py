@@ -7,6 +7,7 @@ from worker.plugins.base import (
     PluginError,
     PluginSettings,
     SnapshotError,
+    Unappliable,
     available_plugins,
     load_plugin,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "PluginError",
     "PluginSettings",
     "SnapshotError",
+    "Unappliable",
     "available_plugins",
     "load_plugin",
 ]

@@ -19,6 +19,12 @@ The contract, which every implementation must keep:
   no-op on every replica; the shell answers the client with the error and
   carries on applying the next entry. Anything else raised from `apply` is a
   bug and the replica must stop applying (it cannot know whether it diverged).
+  BadOp is only for what the *state* refuses (an int64 counter that would
+  overflow). An op whose *structure* this version does not know (a kind or a
+  key only a newer leader's `validate` admits) must raise `Unappliable`: a
+  no-op here and an apply on the newer replicas would be a silent divergence
+  (a worker upgrade in the wrong order), so the replica stops instead, and
+  applies the entry once it runs a version that knows it.
 * **Admission vs application.** `validate` runs on the leader *before* an op
   enters the log and enforces admission limits (sizes, id lengths) on top of
   structure. `apply` re-checks only what it needs to stay consistent
@@ -64,6 +70,12 @@ class BadOp(PluginError, ValueError):
     """The op or query is malformed or over a limit. Maps to `bad_request` (400)."""
 
     code = "bad_request"
+
+
+class Unappliable(PluginError):
+    """A committed op this plugin cannot apply as written: its kind or shape
+    is unknown to this version (see "Atomic apply" above). Not a BadOp on
+    purpose: the shell must stop the group on this replica, not record a no-op."""
 
 
 class NotFound(PluginError, KeyError):
@@ -136,7 +148,8 @@ class Plugin(Protocol):
     def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
         """Apply one committed op; return its (plain-data) result for the client.
 
-        Atomic: on BadOp nothing changed. See the module docstring.
+        Atomic: on BadOp nothing changed. An op of a kind or shape this
+        version does not know raises Unappliable. See the module docstring.
         """
         ...
 

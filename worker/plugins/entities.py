@@ -91,7 +91,7 @@ import orjson
 import xxhash
 
 from shardgrid.ids import id_problem
-from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter
+from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter, Unappliable
 
 FORMAT = "shardgrid.entities"
 FORMAT_VERSION = 1
@@ -503,11 +503,17 @@ class EntitiesPlugin:
     def apply(self, op: dict[str, Any], ctx: ApplyContext) -> Any:
         # No parsed object for the common put: every replica runs this for every write.
         id = _plain_put_id(op, None)
-        if id is not None:
-            return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
-        # Re-parse without admission limits (see base.py): structure is what
-        # apply needs to be atomic; limits were the leader's business.
-        parsed = self._parse(op, limits=False)
+        try:
+            if id is not None:
+                return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
+            # Re-parse without admission limits (see base.py): structure is what
+            # apply needs to be atomic; limits were the leader's business.
+            parsed = self._parse(op, limits=False)
+        except BadOp as exc:
+            # A leader admitted it, so a newer version wrote it: skipping it
+            # here would be a divergence (base.py, "Atomic apply").
+            raise Unappliable(f"a committed op this version of the entities plugin cannot apply: "
+                              f"{exc.message}") from None
         s = self._state
         match parsed:
             case _PutItem(id=id, encoded=encoded):
