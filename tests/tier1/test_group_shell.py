@@ -45,13 +45,20 @@ async def _until(cond: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def _single_voter(tmp_path: Path, snapshot_every: int) -> GroupShell:
-    """The ready leader of a one-voter group."""
-    g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=snapshot_every),
+def _started(tmp_path: Path, snapshot_every: int, plugin: Any = None, term: int = 1) -> GroupShell:
+    """A one-voter group (re)opened from `tmp_path`; meta names it leader of `term`."""
+    g = GroupShell("a", 0, tmp_path, plugin or load_plugin("entities"),
+                   GroupSettings(fsync="batch", snapshot_every=snapshot_every),
                    _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     g.start()
-    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    g.deliver(m.MetaView(term, "a", ("a",), (), 0))
+    return g
+
+
+async def _single_voter(tmp_path: Path, snapshot_every: int) -> GroupShell:
+    """The ready leader of a one-voter group."""
+    g = _started(tmp_path, snapshot_every)
     await _until(lambda: g.replica is not None and g.replica.ready)
     return g
 
@@ -149,46 +156,33 @@ async def test_a_committed_op_this_version_cannot_apply_stops_the_group_until_it
         assert not out.ok and out.error_code == "unavailable"
         await _until(lambda: g.failed is not None)
         assert "Unappliable" in (g.failed or "") and "put_item_v2" in (g.failed or "")
-        with pytest.raises(NotFound):
-            g.plugin.query({"kind": "get_item", "id": "k2"})
+        assert _item(g, "k2") is None
         [refused] = await g.write_many([(put(3), "w3")], "quorum", 5.0)
         assert not refused.ok and "failed here" in (refused.message or "")
     finally:
         await g.close()
     # Restarted on the same version: it stops at the same entry again, never past it.
-    g = _restarted(tmp_path, EntitiesPlugin(PluginSettings()), term=2)
+    g = _started(tmp_path, 1000, term=2)
     try:
         await _until(lambda: g.failed is not None)
-        assert "put_item_v2" in (g.failed or "")
-        with pytest.raises(NotFound):
-            g.plugin.query({"kind": "get_item", "id": "k2"})
+        assert "put_item_v2" in (g.failed or "") and _item(g, "k2") is None
     finally:
         await g.close()
     # Upgraded: the entry applies, and the replica goes on.
-    g = _restarted(tmp_path, _NewerEntities(PluginSettings()), term=3)
+    g = _started(tmp_path, 1000, _NewerEntities(PluginSettings()), term=3)
     try:
         await _until(lambda: g.replica is not None and g.replica.ready)
-        await _until(lambda: _has(g, "k2"))
-        assert g.failed is None and g.plugin.query({"kind": "get_item", "id": "k1"}) == {"n": 1}
+        await _until(lambda: _item(g, "k2") == 2)
+        assert g.failed is None and _item(g, "k1") == {"n": 1}
     finally:
         await g.close()
 
 
-def _restarted(tmp_path: Path, plugin: EntitiesPlugin, term: int) -> GroupShell:
-    """The one-voter group of `_single_voter` reopened; meta names it leader of `term`."""
-    g = GroupShell("a", 0, tmp_path, plugin, GroupSettings(fsync="batch", snapshot_every=1000),
-                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
-    g.open()
-    g.start()
-    g.deliver(m.MetaView(term, "a", ("a",), (), 0))
-    return g
-
-
-def _has(g: GroupShell, id: str) -> bool:
+def _item(g: GroupShell, id: str) -> Any:
     try:
-        return g.plugin.query({"kind": "get_item", "id": id}) == 2
+        return g.plugin.query({"kind": "get_item", "id": id})
     except NotFound:
-        return False
+        return None
 
 
 async def test_each_wal_fsync_is_reported_with_its_duration(shell: GroupShell) -> None:

@@ -505,15 +505,18 @@ class EntitiesPlugin:
         id = _plain_put_id(op, None)
         try:
             if id is not None:
-                return self._put_item(id, _doc(op["doc"], "put_item: doc", None))
-            # Re-parse without admission limits (see base.py): structure is what
-            # apply needs to be atomic; limits were the leader's business.
-            parsed = self._parse(op, limits=False)
+                encoded = _doc(op["doc"], "put_item: doc", None)
+            else:
+                # Re-parse without admission limits (see base.py): structure is what
+                # apply needs to be atomic; limits were the leader's business.
+                parsed = self._parse(op, limits=False)
         except BadOp as exc:
             # A leader admitted it, so a newer version wrote it: skipping it
             # here would be a divergence (base.py, "Atomic apply").
             raise Unappliable(f"a committed op this version of the entities plugin cannot apply: "
                               f"{exc.message}") from None
+        if id is not None:
+            return self._put_item(id, encoded)
         s = self._state
         match parsed:
             case _PutItem(id=id, encoded=encoded):
