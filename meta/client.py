@@ -78,6 +78,10 @@ class MetaClient:
             self.addrs.append(base)
         self._preferred = self.addrs.index(base)
 
+    def prefer(self, http: str) -> None:
+        """Try `http` first from now on (e.g. the meta leader a view named)."""
+        self._learn_leader(http)
+
     async def request(self, method: str, path: str, *, json: Any = None, data: bytes | str | None = None,
                       params: dict[str, str] | None = None, deadline_s: float | None = None,
                       attempt_timeout_s: float = 6.0, admin: bool = False) -> tuple[int, Any, dict[str, str]]:

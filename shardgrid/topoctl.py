@@ -86,6 +86,14 @@ async def cmd_apply(args: argparse.Namespace) -> int:
 async def gather_status(client: MetaClient) -> dict[str, Any]:
     view = await client.cluster()
     nodes = view.get("meta", [])
+    leader_http = next((n["http"] for n in nodes if n["id"] == view.get("meta_leader")), None)
+    if leader_http and view.get("served_by") != view.get("meta_leader"):
+        # Only the meta leader holds the workers' heartbeat reports (replica health).
+        client.prefer(leader_http)
+        try:
+            view = await client.cluster(deadline_s=3.0)
+        except (MetaUnreachable, MetaError):
+            pass  # the follower's view still answers everything else
 
     async def one(node: dict[str, str]) -> dict[str, Any]:
         try:
@@ -125,7 +133,38 @@ def render_status(st: dict[str, Any]) -> str:
     for wid, w in sorted(st["workers"].items()):
         live = {True: "yes", False: "no"}.get(w.get("live"), "?")
         lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live}")
+    lines.append("")
+    problems = replica_problems(st)
+    if problems is None:
+        lines.append("replica health unknown: this view did not come from the meta leader")
+    elif not problems:
+        lines.append("no replica problems reported")
+    else:
+        lines.append(f"{'REPLICA PROBLEMS':<17} {'GROUP':<6} {'STATE':<10} WHY")
+        for wid, gid, state, why in problems:
+            lines.append(f"{wid:<17} {gid:<6} {state:<10} {why}")
     return "\n".join(lines)
+
+
+def replica_problems(st: dict[str, Any]) -> list[tuple[str, str, str, str]] | None:
+    """(worker, group, state, why) for every replica its worker last reported
+    as unable to serve: failed (stopped at an entry it cannot apply, or a
+    disk error), corrupt at start-up, or re-syncing from a peer. None when the
+    view carries no heartbeat reports (only the meta leader holds them)."""
+    workers = st.get("workers") or {}
+    if not any("report" in w for w in workers.values()):
+        return None
+    out: list[tuple[str, str, str, str]] = []
+    for wid, w in sorted(workers.items()):
+        groups = (w.get("report") or {}).get("groups") or {}
+        for gid, rep in sorted(groups.items(), key=lambda kv: int(kv[0])):
+            if rep.get("state") == "corrupt":
+                out.append((wid, gid, "corrupt", str(rep.get("error") or "")))
+            elif rep.get("failed") is not None:
+                out.append((wid, gid, "failed", str(rep["failed"])))
+            elif rep.get("resyncing"):
+                out.append((wid, gid, "resyncing", "lost its log; catching up, neither votes nor leads"))
+    return out
 
 
 async def cmd_status(args: argparse.Namespace) -> int:

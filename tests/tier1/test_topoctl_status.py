@@ -21,3 +21,42 @@ def test_status_marks_groups_away_from_their_preferred_leader() -> None:
     rows = {line.split()[0]: line.split() for line in lines if line[:1].isdigit()}
     assert "PREFERRED" in header.split()
     assert rows["0"][4] == "w1*" and rows["1"][4] == "w2"  # '*': away from its preferred leader
+
+
+def _with_reports(reports: dict[str, dict | None]) -> dict:
+    return {
+        "topology": {"cluster": "c1"}, "revision": 9, "topology_revision": 1, "meta_leader": "m1",
+        "meta_nodes": [{"id": "m1", "http": "127.0.0.1:7101", "up": True, "role": "leader", "revision": 9}],
+        "groups": {},
+        "workers": {wid: {"addr": f"127.0.0.1:720{i}", "zone": "a", "state": "active", "live": True,
+                          **({} if rep is ... else {"report": rep})}
+                    for i, (wid, rep) in enumerate(sorted(reports.items()))},
+    }
+
+
+def _healthy(term: int = 3) -> dict:
+    return {"term": term, "role": "follower", "failed": None, "resyncing": False}
+
+
+def test_status_lists_every_replica_that_cannot_serve_and_why() -> None:
+    st = _with_reports({
+        "w1": {"groups": {"0": _healthy(), "1": {**_healthy(), "failed": "Unappliable: unknown op kind put_item_v2"}}},
+        "w2": {"groups": {"0": {**_healthy(), "resyncing": True}, "1": _healthy()}},
+        "w3": {"groups": {"0": {"state": "corrupt", "error": "wal record 17: bad checksum"}, "1": _healthy()}},
+        "w4": None,  # registered, no heartbeat yet
+    })
+    lines = render_status(st).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("REPLICA PROBLEMS"))
+    rows = [line.split(None, 3) for line in lines[start + 1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("w1", "1", "failed"), ("w2", "0", "resyncing"),
+                                                  ("w3", "0", "corrupt")]
+    assert rows[0][3] == "Unappliable: unknown op kind put_item_v2"
+    assert rows[2][3] == "wal record 17: bad checksum"
+
+
+def test_status_says_so_when_no_replica_has_a_problem_and_when_it_cannot_know() -> None:
+    healthy = render_status(_with_reports({"w1": {"groups": {"0": _healthy()}}}))
+    assert "no replica problems reported" in healthy and "REPLICA PROBLEMS" not in healthy
+    # A meta follower's view carries no heartbeat reports: that is "unknown", not "healthy".
+    blind = render_status(_with_reports({"w1": ..., "w2": ...}))
+    assert "replica health unknown" in blind and "no replica problems" not in blind

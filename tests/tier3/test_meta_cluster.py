@@ -1,6 +1,7 @@
 """Three real meta processes: apply, leader SIGKILL, catch-up, full-cluster SIGKILL."""
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Iterator
@@ -91,6 +92,17 @@ def test_apply_survives_leader_kill_and_full_cluster_restart(cluster: Cluster) -
         assert {g: (v["term"], v["leader"]) for g, v in after["groups"].items()} == before
     got = c.topoctl("get")
     assert got.returncode == 0 and "lease_ms: 1400" in got.stdout
+
+    # A replica that cannot serve shows in `topoctl status`, even asked of a meta follower
+    # (only the leader holds heartbeat reports).
+    leader = c.wait_leader()
+    follower = next(m.id for m in c.meta if m.id != leader)
+    why = "Unappliable: entry 7: unknown op kind 'put_item_v2'"
+    assert heartbeat(c, leader, "w2", {"0": {"term": 2, "last_term": 1, "last_seq": 3},
+                                       "1": {"term": 1, "last_term": 1, "last_seq": 3, "failed": why}}) == 200
+    st = c.topoctl("status", meta=c.meta_spec(follower).http)
+    assert st.returncode == 0, st.stderr
+    assert re.search(rf"^w2\s+1\s+failed\s+{re.escape(why)}$", st.stdout, re.M), st.stdout
 
 
 def test_topoctl_reports_invalid_file_and_unreachable_meta(cluster: Cluster, tmp_path: Path) -> None:
