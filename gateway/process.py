@@ -15,7 +15,7 @@ import uvloop
 from aiohttp import web
 
 from gateway.routes import Gateway, GatewayConfig
-from shardgrid.gctune import start_gc_policy
+from shardgrid.gctune import GATEWAY_YOUNG, start_gc_policy
 from shardgrid.log import setup_logging
 
 __all__ = ["GatewayConfig", "main", "serve"]
@@ -41,7 +41,7 @@ async def serve(cfg: GatewayConfig) -> None:
     await runner.setup()
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096).start()
-    gc_policy = start_gc_policy(log)
+    gc_policy = start_gc_policy(log, young=GATEWAY_YOUNG)
     log.info("gateway_started", listen=cfg.listen, meta=list(cfg.meta), access_log=cfg.access_log,
              admin_token=cfg.admin_token is not None)
     await stop.wait()

@@ -64,6 +64,7 @@ from shardgrid.auth import check_bearer
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
+from topology.routing import shard_function
 
 MAX_ID_BYTES = 256
 MAX_BATCH = 1000
@@ -605,7 +606,7 @@ class Gateway:
         table, deadline = await self._table(opts)
         parsed = [batch_write(item, i, table.embedding_dim, len(raw)) for i, item in enumerate(writes)]
         by_shard: dict[int, list[int]] = {}
-        shard_for = table.shard_for
+        shard_for = shard_function(table.shards)
         for i, (key, _) in enumerate(parsed):
             by_shard.setdefault(shard_for(key), []).append(i)
         ack = opts.ack or table.ack

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from gateway.forward import LANE_DEPTH
-from shardgrid.gctune import tune_gc
+from shardgrid.gctune import GATEWAY_YOUNG, tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
 
@@ -26,7 +26,7 @@ def gateway_gc_policy() -> Iterator[None]:
     test process's heap (hundreds of tests' worth by then) paused the
     in-process gateway for 130 ms in the middle of a 300 ms deadline (CI)."""
     saved = gc.get_threshold()
-    tune_gc()
+    tune_gc(GATEWAY_YOUNG)
     try:
         yield
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.gctune import NEVER, YOUNG, collect_fully_every, first_delay, tune_gc
+from shardgrid.gctune import GATEWAY_YOUNG, NEVER, YOUNG, collect_fully_every, first_delay, start_gc_policy, tune_gc
 
 
 @pytest.fixture
@@ -93,3 +93,21 @@ async def test_full_collections_start_at_a_random_point_then_keep_the_interval(r
         task.cancel()
     phases = {first_delay(100.0) for _ in range(20)}
     assert len(phases) > 1 and all(50.0 <= p <= 100.0 for p in phases)
+
+
+async def test_the_gateway_s_young_generation_is_larger_and_collected_by_net_allocations(restore_gc: None) -> None:
+    task = start_gc_policy(Log(), young=GATEWAY_YOUNG)
+    try:
+        assert gc.get_threshold() == (GATEWAY_YOUNG, NEVER, NEVER)
+        # Objects that die with their request never start a young collection...
+        young_before = gc.get_stats()[0]["collections"]
+        for _ in range(3 * GATEWAY_YOUNG // 100):
+            request = [{"id": i} for i in range(100)]
+            del request
+        assert gc.get_stats()[0]["collections"] == young_before
+        # ...what stays alive does.
+        kept = [[] for _ in range(GATEWAY_YOUNG + 1000)]
+        assert gc.get_stats()[0]["collections"] > young_before
+        del kept
+    finally:
+        task.cancel()

@@ -4,8 +4,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
-from topology.routing import fnv1a64, shard_for
+from topology.routing import fnv1a64, fnv1a64_reference, shard_for, shard_function
 
 
 @pytest.mark.parametrize(
@@ -21,6 +23,23 @@ from topology.routing import fnv1a64, shard_for
 )
 def test_published_vectors(data: str | bytes, expected: int) -> None:
     assert fnv1a64(data) == expected
+    assert fnv1a64_reference(data) == expected
+
+
+@given(st.text())
+@example("é" * 40)  # bytes >= 0x80: a C hash over signed chars gets these wrong (one PyPI package does)
+@example("a\x00b")  # a NUL inside the id must not end the hash
+@example("\U0001f600" * 300)
+def test_the_compiled_hash_is_the_reference_hash(s: str) -> None:
+    expected = fnv1a64_reference(s)
+    assert fnv1a64(s) == fnv1a64(s.encode()) == expected
+    for shards in (1, 3, 7, 64):
+        assert shard_function(shards)(s) == shard_for(s, shards) == expected % shards
+
+
+@given(st.binary())
+def test_the_compiled_hash_of_bytes_is_the_reference_hash(b: bytes) -> None:
+    assert fnv1a64(b) == fnv1a64_reference(b)
 
 
 def test_str_is_hashed_as_utf8() -> None:
@@ -39,6 +58,8 @@ def test_shard_for_is_hash_mod_shards() -> None:
     assert shard_for("anything", 1) == 0
     with pytest.raises(ValueError):
         shard_for("a", 0)
+    with pytest.raises(ValueError):
+        shard_function(0)
 
 
 def test_distribution_over_three_shards() -> None:
