@@ -15,10 +15,13 @@ keeps its request id across attempts, so the workers' replicated dedup table
 applies it once.
 
 Calls go over `gateway/calls.py` (one stream per worker). `GroupCaller`
-sends a group's single writes. While a call to the group's
-leader is in flight, further writes to it queue and leave together as ONE
-`write_batch` when it returns (no timers: an idle gateway adds no latency;
-a busy one turns N round trips into one). Lanes are per (group, leader
+sends a group's writes: single writes, and each `/batch`'s part for the
+group. While a call to the group's leader is in flight, further writes to it
+queue and leave together as ONE `write_batch` when it returns (no timers: an
+idle gateway adds no latency; a busy one turns N round trips into one). The
+leader makes one log entry of each call's fresh writes, so the parts of many
+concurrent `/batch` requests cost one call, one entry and one reply instead
+of one each (runbook/benchmarking.md, set 13). Lanes are per (group, leader
 address), so a hung old leader never holds up writes for the new one.
 """
 from __future__ import annotations
@@ -42,7 +45,12 @@ from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
 
 MSGPACK = "application/msgpack"
 _MSGPACK_HEADERS = {"Content-Type": MSGPACK}
-MAX_COALESCED = 1000  # writes per coalesced write_batch (the rest wait for the next one)
+# Bounds of one coalesced write_batch (the rest wait for the next call): client
+# records (a put_items counts its ids; the leader's Appends carry 4096), and
+# what the requests that carried its writes weighed, so that a call of many
+# large documents stays far below the stream's 64 MiB frame limit.
+MAX_CALL_RECORDS = 4096
+MAX_CALL_BYTES = 16 << 20
 # Coalesced calls in flight per (group, leader). One: what arrives meanwhile
 # leaves together in the next call, so the leader runs fewer, larger rounds
 # (each round is an fsync on every replica and a dozen process wake-ups).
@@ -68,7 +76,8 @@ class GatewayMetrics:
         self.write_batches = Counter("shardgrid_gateway_write_batches", "write_batch calls to workers, by source",
                                      ["source"], registry=reg)
         self.coalesced = Counter("shardgrid_gateway_coalesced_writes",
-                                 "single writes sent inside a coalesced write_batch", registry=reg)
+                                 "writes sent in a write_batch that carried more than one caller's "
+                                 "(a /batch part's put_items counts once)", registry=reg)
         self.degraded = Counter("shardgrid_gateway_search_degraded", "searches answered without some shard",
                                 registry=reg)
         self.revision = Gauge("shardgrid_gateway_routing_revision", "meta revision of the routing table",
@@ -341,9 +350,13 @@ class RouteCache:
 
 
 @dataclass(eq=False, slots=True)
-class _Queued:
-    op: dict[str, Any]
-    rid: str
+class QueuedWrites:
+    """One caller's writes in a lane: a single write, or a `/batch`'s part for the group (`many`)."""
+
+    writes: list[dict[str, Any]]  # as sent: {"op", "rid"}
+    many: bool  # answered with {"results": [...]} for exactly its writes, not as one write
+    records: int  # client records (a put_items counts its ids)
+    size: int  # bytes of the request(s) it came from: an upper bound of what it adds to a call
     ack: str
     deadline: float  # loop time by which its owner stops waiting
     fut: asyncio.Future[WorkerReply | AttemptFailed]
@@ -355,11 +368,11 @@ class _Queued:
 class _Lane:
     inflight: int = 0
     flush_scheduled: bool = False
-    queue: list[_Queued] = field(default_factory=list)
+    queue: list[QueuedWrites] = field(default_factory=list)
 
 
 class GroupCaller:
-    """Single writes of one group, coalesced per leader.
+    """Writes to one group, coalesced per leader.
 
     Writes that arrive in the same loop iteration leave together; at most
     `LANE_DEPTH` calls per leader are in flight, and what arrives while the
@@ -376,17 +389,35 @@ class GroupCaller:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def write(self, target: Target, op: dict[str, Any], rid: str, ack: str, budget: AttemptBudget,
-                    attempt: Attempt) -> WorkerReply:
+                    attempt: Attempt, size: int = 0) -> WorkerReply:
+        """One write; its answer as if it had gone alone."""
         if not self.coalesce:
             attempt.sent = True
             return await self.calls.call(target, "write", self.gid,
                                          {"op": op, "ack": ack, "rid": rid, "deadline_ms": budget.worker_deadline_ms},
                                          budget.http_timeout_s)
+        return await self._queue(target, [{"op": op, "rid": rid}], False, 1, size, ack, budget, attempt)
+
+    async def write_many(self, target: Target, writes: list[dict[str, Any]], records: int, ack: str,
+                         budget: AttemptBudget, attempt: Attempt, size: int = 0) -> WorkerReply:
+        """Several writes (`{"op", "rid"}`), answered like a write_batch of exactly these:
+        `{"results": [...]}` in order, or one group-level refusal."""
+        if not self.coalesce:
+            attempt.sent = True
+            self.metrics.write_batches.labels("batch").inc()
+            return await self.calls.call(target, "write_batch", self.gid,
+                                         {"writes": writes, "ack": ack, "deadline_ms": budget.worker_deadline_ms},
+                                         budget.http_timeout_s)
+        return await self._queue(target, writes, True, records, size, ack, budget, attempt)
+
+    async def _queue(self, target: Target, writes: list[dict[str, Any]], many: bool, records: int, size: int,
+                     ack: str, budget: AttemptBudget, attempt: Attempt) -> WorkerReply:
         lane = self._lanes.get(target.base)
         if lane is None:
             lane = self._lanes[target.base] = _Lane()
         loop = asyncio.get_running_loop()
-        item = _Queued(op, rid, ack, loop.time() + budget.http_timeout_s, loop.create_future(), attempt)
+        item = QueuedWrites(writes, many, records, size, ack, loop.time() + budget.http_timeout_s, loop.create_future(),
+                       attempt)
         lane.queue.append(item)
         self._schedule(target, lane)
         # One timer that settles the item, rather than wait_for's extra future
@@ -415,8 +446,7 @@ class GroupCaller:
             if lane.inflight == 0 and self._lanes.get(target.base) is lane:
                 del self._lanes[target.base]  # idle lanes cost nothing; keep the dict small
             return
-        ack = live[0].ack  # one ack per write_batch; other acks go next round
-        batch = [q for q in live if q.ack == ack][:MAX_COALESCED]
+        batch = take_call(live)
         chosen = set(batch)
         lane.queue = [q for q in live if q not in chosen]
         lane.inflight += 1
@@ -425,7 +455,7 @@ class GroupCaller:
         task.add_done_callback(self._tasks.discard)
         self._schedule(target, lane)
 
-    async def _send_batch(self, target: Target, lane: _Lane, batch: list[_Queued]) -> None:
+    async def _send_batch(self, target: Target, lane: _Lane, batch: list[QueuedWrites]) -> None:
         try:
             timeout = max(q.deadline for q in batch) - asyncio.get_running_loop().time()
             if timeout < MIN_ATTEMPT_S:
@@ -434,15 +464,20 @@ class GroupCaller:
                 q.attempt.sent = True
             deadline_ms = max(1, int((timeout - WORKER_MARGIN_S) * 1000))
             try:
-                if len(batch) == 1:
+                if len(batch) == 1 and not batch[0].many:
                     q = batch[0]
-                    _settle(q, await self.calls.call(target, "write", self.gid, {"op": q.op, "ack": q.ack, "rid": q.rid,
-                                                     "deadline_ms": deadline_ms}, timeout))
+                    w = q.writes[0]
+                    _settle(q, await self.calls.call(target, "write", self.gid, {"op": w["op"], "ack": q.ack,
+                                                     "rid": w["rid"], "deadline_ms": deadline_ms}, timeout))
                     return
-                self.metrics.write_batches.labels("coalesced").inc()
-                self.metrics.coalesced.inc(len(batch))
-                payload = {"writes": [{"op": q.op, "rid": q.rid} for q in batch], "ack": batch[0].ack,
-                           "deadline_ms": deadline_ms}
+                if len(batch) == 1:
+                    writes = batch[0].writes
+                    self.metrics.write_batches.labels("batch").inc()
+                else:
+                    writes = [w for q in batch for w in q.writes]
+                    self.metrics.write_batches.labels("coalesced").inc()
+                    self.metrics.coalesced.inc(len(writes))
+                payload = {"writes": writes, "ack": batch[0].ack, "deadline_ms": deadline_ms}
                 reply = await self.calls.call(target, "write_batch", self.gid, payload, timeout)
             except AttemptFailed as failed:
                 for q in batch:
@@ -452,12 +487,19 @@ class GroupCaller:
             if not reply.ok:
                 for q in batch:
                     _settle(q, reply)  # a group-level refusal (not_leader, ...) applies to each
-            elif not isinstance(results, list) or len(results) != len(batch):
+            elif not isinstance(results, list) or len(results) != len(writes):
                 for q in batch:
                     _settle(q, item_reply(None, target, self.gid))
             else:
-                for q, r in zip(batch, results):
-                    _settle(q, item_reply(r, target, self.gid))
+                at = 0
+                for q in batch:
+                    n = len(q.writes)
+                    if q.many:
+                        _settle(q, WorkerReply(reply.status, None, {"results": results[at:at + n]}, reply.served_by,
+                                               self.gid, reply.term, reply.seq))
+                    else:
+                        _settle(q, item_reply(results[at], target, self.gid))
+                    at += n
         finally:
             for q in batch:
                 _settle(q, AttemptFailed("broken", q.attempt.sent, "the coalesced call ended without an answer"))
@@ -472,11 +514,29 @@ class GroupCaller:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _expire(q: _Queued, wid: str, timeout_s: float) -> None:
+def take_call(live: list[QueuedWrites]) -> list[QueuedWrites]:
+    """The queued writes the next call carries: the oldest, then those after
+    it with the same ack (one ack per write_batch) while the call stays within
+    MAX_CALL_RECORDS and MAX_CALL_BYTES; the rest wait, in order, for the next."""
+    first = live[0]
+    batch = [first]
+    records, size = first.records, first.size
+    for q in live[1:]:
+        if q.ack != first.ack:
+            continue
+        records += q.records
+        size += q.size
+        if records > MAX_CALL_RECORDS or size > MAX_CALL_BYTES:
+            break
+        batch.append(q)
+    return batch
+
+
+def _expire(q: QueuedWrites, wid: str, timeout_s: float) -> None:
     _settle(q, AttemptFailed("timeout", q.attempt.sent, f"{wid} did not answer within {timeout_s:.3f}s (coalesced)"))
 
 
-def _settle(q: _Queued, outcome: WorkerReply | AttemptFailed) -> None:
+def _settle(q: QueuedWrites, outcome: WorkerReply | AttemptFailed) -> None:
     # A failure is delivered as a value, not set_exception: an owner that has
     # already left would otherwise leave a "never retrieved" exception behind.
     if not q.fut.done():
@@ -519,11 +579,12 @@ class Forwarder:
     # -- public operations
 
     async def write(self, gid: int, op: dict[str, Any], rid: str, ack: str, deadline: float,
-                    trace: Trace) -> WorkerReply:
+                    trace: Trace, size: int = 0) -> WorkerReply:
+        """`size`: the bytes of the client's request (bounds what a coalesced call carries)."""
         caller = self.caller(gid)
 
         def send(target: Target, budget: AttemptBudget, attempt: Attempt) -> Awaitable[WorkerReply]:
-            return caller.write(target, op, rid, ack, budget, attempt)
+            return caller.write(target, op, rid, ack, budget, attempt, size)
 
         return await self._run(gid, send, deadline, trace, write=True, follower=False)
 
@@ -560,13 +621,17 @@ class Forwarder:
         return out
 
     async def write_batch(self, gid: int, writes: list[tuple[dict[str, Any], str]], ack: str, deadline: float,
-                          trace: Trace) -> list[dict[str, Any]]:
-        """One write_batch round trip per attempt; only the writes that need it go again.
+                          trace: Trace, size: int = 0) -> list[dict[str, Any]]:
+        """The writes of one group (a `/batch`'s part for it) over the group's lane,
+        so that they share a call with other requests' writes; per attempt, only
+        the writes that need it go again. `size`: the bytes of the client's request.
 
         Returns one result per write, in order: `{"shard", "seq", "term",
         "served_by", "result"}` or an error body with `shard`.
         """
         loop = asyncio.get_running_loop()
+        caller = self.caller(gid)
+        records = [len(op["ids"]) if op.get("kind") == "put_items" else 1 for op, _ in writes]
         results: list[dict[str, Any] | None] = [None] * len(writes)
         pending = list(range(len(writes)))
         st = RetryState()
@@ -586,13 +651,11 @@ class Forwarder:
             st.attempts += 1
             trace.attempts += 1
             trace.leader = target.wid
-            attempt = Attempt(sent=True)
-            payload = {"writes": [{"op": writes[i][0], "rid": writes[i][1]} for i in pending], "ack": ack,
-                       "deadline_ms": budget.worker_deadline_ms}
-            self.metrics.write_batches.labels("batch").inc()
+            attempt = Attempt()
+            wire = [{"op": writes[i][0], "rid": writes[i][1]} for i in pending]
             try:
-                reply = await self._race(self.calls.call(target, "write_batch", gid, payload, budget.http_timeout_s),
-                                         gid, target, attempt)
+                reply = await self._race(caller.write_many(target, wire, sum(records[i] for i in pending), ack, budget,
+                                                           attempt, size), gid, target, attempt)
             except (LeaderMoved, AttemptFailed) as exc:
                 await self._after_failure(st, exc, attempt, target, True, remaining)
                 continue

@@ -488,11 +488,11 @@ class Gateway:
         return json_response(body, status=status, headers=headers)
 
     async def _write(self, opts: RequestOptions, trace: Trace, key: str, op: dict[str, Any], render: Render,
-                     routed: tuple[RoutingTable, float] | None = None) -> web.Response:
+                     routed: tuple[RoutingTable, float] | None = None, size: int = 0) -> web.Response:
         table, deadline = routed if routed is not None else await self._table(opts)
         gid = table.shard_for(key)
         trace.shard = gid
-        reply = await self.rt.fwd.write(gid, op, opts.request_id, opts.ack or table.ack, deadline, trace)
+        reply = await self.rt.fwd.write(gid, op, opts.request_id, opts.ack or table.ack, deadline, trace, size)
         return self._answer(trace, reply, render)
 
     async def _read(self, opts: RequestOptions, trace: Trace, key: str, query: dict[str, Any],
@@ -513,7 +513,7 @@ class Gateway:
         check_doc(doc, len(raw))
         table, deadline = await self._table(opts)
         return await self._write(opts, trace, id_, {"kind": "put_item", "id": id_, "doc": doc}, _render_put(id_),
-                                 (table, deadline))
+                                 (table, deadline), len(raw))
 
     async def get_item(self, request: web.Request) -> web.Response:
         opts, trace = self._begin(request)
@@ -553,11 +553,12 @@ class Gateway:
     async def put_embedding(self, request: web.Request) -> web.Response:
         opts, trace = self._begin(request)
         id_ = check_id(request.match_info["id"], "embedding id")
-        body = check_keys(parse_json(await request.read()), ("vector",), (), "the body")
+        raw = await request.read()
+        body = check_keys(parse_json(raw), ("vector",), (), "the body")
         table, deadline = await self._table(opts)
         vector = check_vector(body["vector"], "vector", table.embedding_dim)
         return await self._write(opts, trace, id_, {"kind": "put_embedding", "id": id_, "vector": vector},
-                                 _render_put(id_), (table, deadline))
+                                 _render_put(id_), (table, deadline), len(raw))
 
     async def get_embedding(self, request: web.Request) -> web.Response:
         opts, trace = self._begin(request)
@@ -615,7 +616,7 @@ class Gateway:
         parts = {gid: shard_writes(ops, idxs, opts.request_id, gid, MAX_DOC_BYTES) for gid, idxs in by_shard.items()}
 
         async def one(gid: int, sw: ShardWrites) -> tuple[ShardWrites, list[dict[str, Any]]]:
-            return sw, await self.rt.fwd.write_batch(gid, sw.writes, ack, deadline, trace)
+            return sw, await self.rt.fwd.write_batch(gid, sw.writes, ack, deadline, trace, len(raw))
 
         results: list[Any] = [None] * len(parsed)
         for sw, res in await asyncio.gather(*(one(g, sw) for g, sw in parts.items())):

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.forward import LANE_DEPTH
+from gateway.forward import LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, QueuedWrites, take_call
 from shardgrid.gctune import GATEWAY_YOUNG, tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
@@ -367,18 +367,7 @@ async def test_batch_items_refused_by_a_moving_leader_are_retried(aiohttp_server
 
 async def test_concurrent_writes_to_a_busy_group_are_coalesced(aiohttp_server: Any, aiohttp_client: Any) -> None:
     f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
-    inflight = {"now": 0, "max": 0}
-
-    async def slow(call: Call) -> Answer | None:
-        inflight["now"] += 1
-        inflight["max"] = max(inflight["max"], inflight["now"])
-        try:
-            await asyncio.sleep(0.1)
-        finally:
-            inflight["now"] -= 1
-        return None
-
-    f.workers["A"].on = slow
+    inflight = _slow(f.workers["A"])
     client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
     resps = await asyncio.gather(*(client.put(f"/items/k{i}", data=orjson.dumps(i)) for i in range(30)))
     assert [r.status for r in resps] == [200] * 30
@@ -387,6 +376,128 @@ async def test_concurrent_writes_to_a_busy_group_are_coalesced(aiohttp_server: A
     assert inflight["max"] <= LANE_DEPTH  # the lane's bound on calls in flight to one leader
     sent = sum(len(c.body["writes"]) if c.kind == "write_batch" else 1 for c in f.workers["A"].calls)
     assert sent == 30 and {f.workers["A"].items[(0, f"k{i}")] for i in range(30)} == set(range(30))
+
+
+async def test_a_call_takes_the_oldest_writes_within_its_bounds_and_one_ack() -> None:
+    loop = asyncio.get_running_loop()
+
+    def q(records: int, size: int = 0, ack: str = "quorum") -> QueuedWrites:
+        return QueuedWrites([{"op": {}, "rid": "r"}], records > 1, records, size, ack, 0.0, loop.create_future(), Attempt())
+
+    big, small, leader_ack = q(MAX_CALL_RECORDS - 10), q(20), q(1, ack="leader")
+    assert take_call([big, leader_ack, small, q(5)]) == [big]  # 20 more records would pass the bound: wait, in order
+    first, second, third = q(1), q(30), q(1)
+    assert take_call([first, leader_ack, second, third]) == [first, second, third]  # one ack per call
+    assert take_call([leader_ack, first]) == [leader_ack]
+    huge = q(MAX_CALL_RECORDS + 500)
+    assert take_call([huge, first]) == [huge]  # a part over the bound still goes, alone
+    heavy = [q(1, size=MAX_CALL_BYTES // 3) for _ in range(4)]
+    assert take_call(heavy) == heavy[:3]
+
+
+def _slow(worker: Any, delay_s: float = 0.1) -> dict[str, int]:
+    """Make a fake worker answer every call after `delay_s`; returns its calls-in-flight gauge."""
+    inflight = {"now": 0, "max": 0}
+
+    async def slow(call: Call) -> Answer | None:
+        inflight["now"] += 1
+        inflight["max"] = max(inflight["max"], inflight["now"])
+        try:
+            await asyncio.sleep(delay_s)
+        finally:
+            inflight["now"] -= 1
+        return None
+
+    worker.on = slow
+    return inflight
+
+
+async def test_concurrent_batches_and_single_writes_to_a_busy_group_share_calls(aiohttp_server: Any,
+                                                                                 aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    inflight = _slow(f.workers["A"])
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def batch(n: int) -> Any:
+        writes = [{"op": "put_item", "id": f"b{n}-{i}", "doc": {"n": n, "i": i}} for i in range(5)]
+        writes.append({"op": "signal", "entity": f"u{n}", "kind": "hits", "value": n})
+        resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": f"R{n}"})
+        assert resp.status == 200
+        return (await resp.json())["results"]
+
+    async def single(n: int) -> Any:
+        resp = await client.put(f"/items/s{n}", data=orjson.dumps(n))
+        assert resp.status == 200
+        return await resp.json()
+
+    out = await asyncio.gather(*(batch(n) for n in range(12)), *(single(n) for n in range(6)))
+    # Every request got its own answers, in its own order.
+    for n, results in enumerate(out[:12]):
+        assert [r["result"] for r in results] == [{"id": f"b{n}-{i}", "created": True} for i in range(5)] + [n]
+        assert {r["served_by"] for r in results} == {"A"}
+    assert [r["id"] for r in out[12:]] == [f"s{n}" for n in range(6)] and all(r["created"] for r in out[12:])
+    calls = f.workers["A"].calls
+    assert inflight["max"] <= LANE_DEPTH
+    assert len(calls) < 12 and any(len({w["rid"].split("#")[0] for w in c.body["writes"]}) > 1
+                                   for c in calls if c.kind == "write_batch")  # several requests in one call
+    # Each part still goes as its own writes under its own request ids (the worker's dedup keys), once.
+    rids = [w["rid"] for c in calls for w in (c.body["writes"] if c.kind == "write_batch" else [c.body])]
+    assert sorted(r for r in rids if r.startswith("R")) == sorted(f"R{n}#{t}" for n in range(12) for t in ("s0", "5"))
+    assert len(rids) == len(set(rids)) == 12 * 2 + 6
+    assert {k for (_, k) in f.workers["A"].items} == {f"b{n}-{i}" for n in range(12) for i in range(5)} | {
+        f"s{n}" for n in range(6)}
+
+
+async def test_a_coalesced_call_refused_by_a_moving_leader_is_retried_for_each_caller(aiohttp_server: Any,
+                                                                                      aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+
+    async def moved(call: Call) -> Answer:
+        await asyncio.sleep(0.05)
+        return err("not_leader", call.gid, leader="B", term=2)
+
+    f.workers["A"].on = moved
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def batch(n: int) -> Any:
+        writes = [{"op": "put_item", "id": f"b{n}-{i}", "doc": i} for i in range(3)]
+        resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": f"R{n}"})
+        return (await resp.json())["results"]
+
+    out = await asyncio.gather(*(batch(n) for n in range(6)), client.put("/items/k", data=b"1"))
+    for n, results in enumerate(out[:6]):
+        assert [(r["served_by"], r["result"]) for r in results] == [("B", {"id": f"b{n}-{i}", "created": True})
+                                                                    for i in range(3)]
+    assert out[6].status == 200 and out[6].headers["x-served-by"] == "B"
+    assert any(c.kind == "write_batch" and len(c.body["writes"]) > 1 for c in f.workers["A"].calls)
+    at_b = [w["rid"] for c in f.workers["B"].calls for w in (c.body["writes"] if c.kind == "write_batch" else [c.body])]
+    assert sorted(r for r in at_b if r.startswith("R")) == sorted(f"R{n}#s0" for n in range(6))
+
+
+async def test_a_coalesced_answer_of_the_wrong_length_is_an_error_for_each_caller(aiohttp_server: Any,
+                                                                                  aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def short(call: Call) -> Answer | None:
+        await asyncio.sleep(0.05)
+        if call.kind == "write_batch" and len(call.body["writes"]) > 1:
+            return 200, {"results": [{"seq": 1, "term": 1, "result": None}]}  # one result for several writes
+        return None
+
+    f.workers["A"].on = short
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def batch(n: int) -> Any:
+        writes = [{"op": "put_item", "id": f"b{n}-{i}", "doc": i} for i in range(3)]
+        resp = await client.post("/batch", data=orjson.dumps({"writes": writes}))
+        return resp.status, (await resp.json())["results"]
+
+    out = await asyncio.gather(*(batch(n) for n in range(6)))
+    coalesced = [c for c in f.workers["A"].calls if c.kind == "write_batch" and len(c.body["writes"]) > 1]
+    assert coalesced, "no call carried more than one request's writes"
+    failed = [results for status, results in out if all("error" in r for r in results)]
+    assert failed and all(r["error"]["code"] == "internal" for results in failed for r in results)
+    assert all(status == 200 for status, _ in out)
 
 
 async def test_single_entity_answers_and_worker_errors(aiohttp_server: Any, aiohttp_client: Any) -> None:
