@@ -361,7 +361,6 @@ class QueuedWrites:
     deadline: float  # loop time by which its owner stops waiting
     fut: asyncio.Future[WorkerReply | AttemptFailed]
     attempt: Attempt
-    abandoned: bool = False
 
 
 @dataclass(slots=True)
@@ -427,9 +426,11 @@ class GroupCaller:
             outcome = await item.fut
         finally:
             timer.cancel()
-            item.abandoned = True
         if isinstance(outcome, AttemptFailed):
-            raise outcome
+            # A fresh exception: raising the one this frame holds would make a
+            # cycle (exception -> traceback -> frame -> exception) that keeps
+            # the writes alive until a collection.
+            raise AttemptFailed(outcome.kind, outcome.sent, outcome.detail)
         return outcome
 
     def _schedule(self, target: Target, lane: _Lane) -> None:
@@ -440,7 +441,9 @@ class GroupCaller:
     def _flush(self, target: Target, lane: _Lane) -> None:
         """Send what queued in this loop iteration (or while the lane was full) as one call."""
         lane.flush_scheduled = False
-        live = [q for q in lane.queue if not q.abandoned]
+        # A settled future is an owner that has its answer already (it timed
+        # out, or its request was cancelled): its writes must not leave now.
+        live = [q for q in lane.queue if not q.fut.done()]
         if not live:
             lane.queue.clear()
             if lane.inflight == 0 and self._lanes.get(target.base) is lane:
@@ -455,8 +458,14 @@ class GroupCaller:
         task.add_done_callback(self._tasks.discard)
         self._schedule(target, lane)
 
-    async def _send_batch(self, target: Target, lane: _Lane, batch: list[QueuedWrites]) -> None:
+    async def _send_batch(self, target: Target, lane: _Lane, taken: list[QueuedWrites]) -> None:
+        batch = taken
         try:
+            # Owners answered since the flush (an expiry or a cancellation in
+            # the same loop iteration) were told "not sent": keep it true.
+            batch = [q for q in taken if not q.fut.done()]
+            if not batch:
+                return
             timeout = max(q.deadline for q in batch) - asyncio.get_running_loop().time()
             if timeout < MIN_ATTEMPT_S:
                 return  # every owner has given up or is about to; the finally answers them

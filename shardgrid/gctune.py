@@ -30,7 +30,9 @@ the requests in flight (a `/batch` of 100 is some 700 containers), and every
 young collection walked all of them again. At 128 concurrent batches that
 was 4-5 % of the gateway's CPU per record, so its young generation is
 `GATEWAY_YOUNG`: net allocations, which in a process whose objects die with
-their request grow only with what is still in flight.
+their request grow only with what is still in flight. Cyclic garbage waits
+longer for it, so the gateway's paths do not make any per request (a failed
+attempt raises a fresh exception rather than one its own frame holds).
 
 Cyclic garbage that lived through a young collection (a closed connection's
 objects, say) is found by one full collection every `FULL_EVERY_S`, which

@@ -10,7 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.forward import LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, QueuedWrites, take_call
+from gateway.forward import (LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, AttemptFailed, GatewayMetrics,
+                             GroupCaller, QueuedWrites, WorkerReply, _expire, take_call)
+from gateway.router import AttemptBudget, Target
 from shardgrid.gctune import GATEWAY_YOUNG, tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
@@ -395,6 +397,58 @@ async def test_a_call_takes_the_oldest_writes_within_its_bounds_and_one_ack() ->
     assert take_call(heavy) == heavy[:3]
 
 
+class _GatedCalls:
+    """WorkerCalls that record each call and answer it once `gate` is set."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.gate = asyncio.Event()
+
+    async def call(self, target: Target, op: str, gid: int, body: dict[str, Any], timeout: float) -> WorkerReply:
+        self.sent.append((op, body))
+        await self.gate.wait()
+        writes = body["writes"] if op == "write_batch" else [body]
+        results = [{"seq": n, "term": 1, "result": w["rid"]} for n, w in enumerate(writes)]
+        return WorkerReply(200, None, {"results": results} if op == "write_batch" else results[0], target.wid, gid, 1,
+                           None)
+
+
+@pytest.mark.parametrize("settled_before", ["flush", "send"])
+async def test_writes_whose_owner_was_answered_meanwhile_never_leave(settled_before: str) -> None:
+    # An owner told "timed out, not sent" (or cancelled) in the same loop
+    # iteration as the flush must not have its writes sent after all: the
+    # gateway would then answer "nothing was applied" for writes that commit.
+    calls = _GatedCalls()
+    caller = GroupCaller(0, calls, GatewayMetrics(), coalesce=True)  # type: ignore[arg-type]
+    target, budget = Target("A", "http://a", 1), AttemptBudget(5.0, 4000)
+    first = asyncio.create_task(caller.write(target, {"kind": "put_item"}, "first", "quorum", budget, Attempt()))
+    while not calls.sent:
+        await asyncio.sleep(0)
+    late, on_time = Attempt(), Attempt()
+    tasks = [asyncio.create_task(caller.write_many(target, [{"op": {}, "rid": rid}], 1, "quorum", budget, attempt))
+             for rid, attempt in (("late", late), ("on-time", on_time))]
+    await asyncio.sleep(0)
+    lane = caller._lanes[target.base]
+    doomed = lane.queue[0]
+    assert doomed.writes[0]["rid"] == "late" and lane.inflight == 1
+    lane.inflight = 0  # the first call's slot frees, as its answer arrives...
+    if settled_before == "flush":
+        _expire(doomed, "A", 0.0)  # ...and in the same iteration the timer answers the late owner
+        caller._flush(target, lane)
+    else:
+        caller._flush(target, lane)
+        _expire(doomed, "A", 0.0)  # ...or just after the flush took it, before the call left
+    calls.gate.set()
+    with pytest.raises(AttemptFailed) as failed:
+        await tasks[0]
+    assert failed.value.kind == "timeout" and not failed.value.sent and not late.sent
+    reply = await tasks[1]
+    assert reply.body == {"results": [{"seq": 0, "term": 1, "result": "on-time"}]} and on_time.sent
+    assert [[w["rid"] for w in body["writes"]] for op, body in calls.sent if op == "write_batch"] == [["on-time"]]
+    await first
+    await caller.close()
+
+
 def _slow(worker: Any, delay_s: float = 0.1) -> dict[str, int]:
     """Make a fake worker answer every call after `delay_s`; returns its calls-in-flight gauge."""
     inflight = {"now": 0, "max": 0}
@@ -440,6 +494,8 @@ async def test_concurrent_batches_and_single_writes_to_a_busy_group_share_calls(
     assert inflight["max"] <= LANE_DEPTH
     assert len(calls) < 12 and any(len({w["rid"].split("#")[0] for w in c.body["writes"]}) > 1
                                    for c in calls if c.kind == "write_batch")  # several requests in one call
+    assert any({w["rid"][0] == "R" for w in c.body["writes"]} == {True, False}
+               for c in calls if c.kind == "write_batch")  # batch parts and single writes in one call
     # Each part still goes as its own writes under its own request ids (the worker's dedup keys), once.
     rids = [w["rid"] for c in calls for w in (c.body["writes"] if c.kind == "write_batch" else [c.body])]
     assert sorted(r for r in rids if r.startswith("R")) == sorted(f"R{n}#{t}" for n in range(12) for t in ("s0", "5"))
@@ -489,15 +545,19 @@ async def test_a_coalesced_answer_of_the_wrong_length_is_an_error_for_each_calle
 
     async def batch(n: int) -> Any:
         writes = [{"op": "put_item", "id": f"b{n}-{i}", "doc": i} for i in range(3)]
-        resp = await client.post("/batch", data=orjson.dumps({"writes": writes}))
-        return resp.status, (await resp.json())["results"]
+        resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-request-id": f"R{n}"})
+        assert resp.status == 200
+        return (await resp.json())["results"]
 
     out = await asyncio.gather(*(batch(n) for n in range(6)))
-    coalesced = [c for c in f.workers["A"].calls if c.kind == "write_batch" and len(c.body["writes"]) > 1]
+    coalesced = {int(w["rid"][1:].split("#")[0]) for c in f.workers["A"].calls
+                 if c.kind == "write_batch" and len(c.body["writes"]) > 1 for w in c.body["writes"]}
     assert coalesced, "no call carried more than one request's writes"
-    failed = [results for status, results in out if all("error" in r for r in results)]
-    assert failed and all(r["error"]["code"] == "internal" for results in failed for r in results)
-    assert all(status == 200 for status, _ in out)
+    for n, results in enumerate(out):
+        if n in coalesced:  # the short answer fits none of them: each gets an error, none a stranger's result
+            assert [r["error"]["code"] for r in results] == ["internal"] * 3
+        else:
+            assert [r["result"] for r in results] == [{"id": f"b{n}-{i}", "created": True} for i in range(3)]
 
 
 async def test_single_entity_answers_and_worker_errors(aiohttp_server: Any, aiohttp_client: Any) -> None:
