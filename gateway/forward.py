@@ -397,8 +397,8 @@ class GroupCaller:
                                          budget.http_timeout_s)
         return await self._queue(target, [{"op": op, "rid": rid}], False, 1, size, ack, budget, attempt)
 
-    async def write_many(self, target: Target, writes: list[dict[str, Any]], records: int, ack: str,
-                         budget: AttemptBudget, attempt: Attempt, size: int = 0) -> WorkerReply:
+    async def write_many(self, target: Target, writes: list[dict[str, Any]], ack: str, budget: AttemptBudget,
+                         attempt: Attempt, size: int = 0) -> WorkerReply:
         """Several writes (`{"op", "rid"}`), answered like a write_batch of exactly these:
         `{"results": [...]}` in order, or one group-level refusal."""
         if not self.coalesce:
@@ -407,6 +407,8 @@ class GroupCaller:
             return await self.calls.call(target, "write_batch", self.gid,
                                          {"writes": writes, "ack": ack, "deadline_ms": budget.worker_deadline_ms},
                                          budget.http_timeout_s)
+        # Client records, as the leader counts them for its Appends: a put_items counts its ids.
+        records = sum(len(w["op"]["ids"]) if w["op"].get("kind") == "put_items" else 1 for w in writes)
         return await self._queue(target, writes, True, records, size, ack, budget, attempt)
 
     async def _queue(self, target: Target, writes: list[dict[str, Any]], many: bool, records: int, size: int,
@@ -415,8 +417,8 @@ class GroupCaller:
         if lane is None:
             lane = self._lanes[target.base] = _Lane()
         loop = asyncio.get_running_loop()
-        item = QueuedWrites(writes, many, records, size, ack, loop.time() + budget.http_timeout_s, loop.create_future(),
-                       attempt)
+        item = QueuedWrites(writes, many, records, size, ack, loop.time() + budget.http_timeout_s,
+                            loop.create_future(), attempt)
         lane.queue.append(item)
         self._schedule(target, lane)
         # One timer that settles the item, rather than wait_for's extra future
@@ -459,11 +461,10 @@ class GroupCaller:
         self._schedule(target, lane)
 
     async def _send_batch(self, target: Target, lane: _Lane, taken: list[QueuedWrites]) -> None:
-        batch = taken
+        # Owners answered since the flush (an expiry or a cancellation in the
+        # same loop iteration) were told "not sent": keep it true.
+        batch = [q for q in taken if not q.fut.done()]
         try:
-            # Owners answered since the flush (an expiry or a cancellation in
-            # the same loop iteration) were told "not sent": keep it true.
-            batch = [q for q in taken if not q.fut.done()]
             if not batch:
                 return
             timeout = max(q.deadline for q in batch) - asyncio.get_running_loop().time()
@@ -640,7 +641,6 @@ class Forwarder:
         """
         loop = asyncio.get_running_loop()
         caller = self.caller(gid)
-        records = [len(op["ids"]) if op.get("kind") == "put_items" else 1 for op, _ in writes]
         results: list[dict[str, Any] | None] = [None] * len(writes)
         pending = list(range(len(writes)))
         st = RetryState()
@@ -663,8 +663,8 @@ class Forwarder:
             attempt = Attempt()
             wire = [{"op": writes[i][0], "rid": writes[i][1]} for i in pending]
             try:
-                reply = await self._race(caller.write_many(target, wire, sum(records[i] for i in pending), ack, budget,
-                                                           attempt, size), gid, target, attempt)
+                reply = await self._race(caller.write_many(target, wire, ack, budget, attempt, size), gid, target,
+                                         attempt)
             except (LeaderMoved, AttemptFailed) as exc:
                 await self._after_failure(st, exc, attempt, target, True, remaining)
                 continue

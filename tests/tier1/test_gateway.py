@@ -425,7 +425,7 @@ async def test_writes_whose_owner_was_answered_meanwhile_never_leave(settled_bef
     while not calls.sent:
         await asyncio.sleep(0)
     late, on_time = Attempt(), Attempt()
-    tasks = [asyncio.create_task(caller.write_many(target, [{"op": {}, "rid": rid}], 1, "quorum", budget, attempt))
+    tasks = [asyncio.create_task(caller.write_many(target, [{"op": {}, "rid": rid}], "quorum", budget, attempt))
              for rid, attempt in (("late", late), ("on-time", on_time))]
     await asyncio.sleep(0)
     lane = caller._lanes[target.base]
@@ -446,6 +446,29 @@ async def test_writes_whose_owner_was_answered_meanwhile_never_leave(settled_bef
     assert reply.body == {"results": [{"seq": 0, "term": 1, "result": "on-time"}]} and on_time.sent
     assert [[w["rid"] for w in body["writes"]] for op, body in calls.sent if op == "write_batch"] == [["on-time"]]
     await first
+    await caller.close()
+
+
+async def test_a_call_counts_a_put_items_by_its_records() -> None:
+    calls = _GatedCalls()
+    caller = GroupCaller(0, calls, GatewayMetrics(), coalesce=True)  # type: ignore[arg-type]
+    target, budget = Target("A", "http://a", 1), AttemptBudget(5.0, 4000)
+
+    def part(rid: str, n: int) -> list[dict[str, Any]]:
+        return [{"op": {"kind": "put_items", "ids": [f"{rid}{i}" for i in range(n)], "docs": [b"1"] * n},
+                 "rid": rid}]
+
+    first = asyncio.create_task(caller.write(target, {"kind": "put_item"}, "first", "quorum", budget, Attempt()))
+    while not calls.sent:
+        await asyncio.sleep(0)
+    # Queued behind the call in flight: one write each, but 6,000 records together.
+    tasks = [asyncio.create_task(caller.write_many(target, part(rid, 3000), "quorum", budget, Attempt()))
+             for rid in ("a", "b")] + [asyncio.create_task(caller.write_many(target, part("c", 10), "quorum", budget,
+                                                                            Attempt()))]
+    await asyncio.sleep(0)
+    calls.gate.set()
+    await asyncio.gather(first, *tasks)
+    assert [[w["rid"] for w in body["writes"]] for op, body in calls.sent[1:]] == [["a"], ["b", "c"]]
     await caller.close()
 
 
