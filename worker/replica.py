@@ -2,8 +2,10 @@
 
 `Replica.handle(msg_or_event, now) -> list[Effect]` is a pure state machine in
 the style of etcd's `raft`: no sockets, files, clocks, randomness or logging.
-Time comes in as `now` (integer milliseconds, non-decreasing); everything the
-outside world must do comes out as effects (see worker/replica_msgs.py).
+Time comes in as `now`: integer milliseconds of this replica's monotonic
+clock, non-decreasing within an incarnation, never compared with another
+replica's (a restart may begin anywhere); everything the outside world must
+do comes out as effects (see worker/replica_msgs.py).
 
 Model
 -----
@@ -55,6 +57,37 @@ Durability contract with the I/O shell
   `entries`, record `commit`.  A torn Persist is harmless: nothing that
   depends on it has been performed.
 
+Check-quorum
+------------
+Meta names leaders, but meta can still hear a leader its followers cannot
+(a cut between workers, or one direction of it): that leader would hold its
+group down for as long as the cut lasts.  So a leader keeps the time of the
+last reply from each voter (AppendReply, HeartbeatReply; the idle
+heartbeat makes one every heartbeat_ms).  Without replies from a majority
+(itself included) within `lease_ms` -- or, while it collects promises, with
+no majority of them within `lease_ms` of starting the term -- it stops
+admitting writes, strong reads, transfers and membership changes (NO_QUORUM,
+at once, instead of a quorum_timeout later), answers the writes it was
+waiting on with QUORUM_TIMEOUT (their outcome is unknown), and emits
+ReportQuorum(ok=False) so that the shell tells meta; meta's controller then
+names another leader (meta/controller.py).  It keeps sending, and the first
+replies from a majority make it admit again (ReportQuorum(ok=True)).  A
+follower keeps the time it last heard from its term's leader
+(`leader_heard_at`), and the shell reports that silence to meta as well: a
+leader whose replica is wedged cannot report anything itself.
+
+Log time
+--------
+Entry timestamps (`Entry.ts`, what dedup expiry compares) are the group's
+log time, not anybody's wall clock: a leader stamps the term-start entry
+with the last timestamp of the log it adopted, and every later entry with
+that plus the time elapsed since, on its own monotonic clock.  Along the log
+timestamps never decrease, and log time never runs faster than real time
+(the gaps between leaders are not counted at all): so a request id is
+remembered for at least `dedup_window_ms` of real time after its write was
+appended, whatever the wall clocks of the workers say, stepped or skewed by
+hours (runbook/operations.md, "request ids").
+
 Idempotency
 -----------
 Entries carry the client's request id; a replicated DedupTable (worker/
@@ -101,6 +134,7 @@ from worker.replica_msgs import (
     BUSY,
     DEADLINE_EXCEEDED,
     LAGGING,
+    NO_QUORUM,
     NOT_LEADER,
     QUORUM_TIMEOUT,
     Append,
@@ -129,6 +163,7 @@ from worker.replica_msgs import (
     ReplicaConfig,
     Reply,
     ReplyMany,
+    ReportQuorum,
     ReportReady,
     Send,
     ServeRead,
@@ -165,6 +200,7 @@ class _Progress:
     retry_at: int = 0
     told_commit: int = 0  # highest commit we sent it that it can use (bounded by what we sent it)
     told_at: int = 0  # when we last sent it an Append or a Heartbeat
+    heard_at: int = 0  # when its last reply arrived (check-quorum)
 
 
 @dataclass(slots=True)
@@ -198,7 +234,14 @@ class _Leadership:
 
     quorums: tuple[tuple[str, ...], ...]  # Begin needs a majority of each
     begin_to: tuple[str, ...]
+    started_at: int  # when the Begin round (re)started
     phase: str = _BEGIN
+    # Log time: entries are stamped ts_base + (now - now_base) (see "Log time").
+    ts_base: int = 0
+    now_base: int = 0
+    # Check-quorum: False while no majority has answered within lease_ms.
+    quorum_ok: bool = True
+    quorum_lost_at: int | None = None
     retry_at: int = 0
     promised: dict[str, tuple[int, int]] = field(default_factory=dict)
     fetch_src: str = ""
@@ -276,6 +319,9 @@ class Replica:
         self._leader: str | None = None
         self._lead: _Leadership | None = None
         self._follower_reads: list[_Read] = []
+        # When this replica last heard from the leader of its term (or, until
+        # it does, learned of the term): the silence the shell reports to meta.
+        self._heard_leader_at: int | None = None
         self._timer_at: int | None = None
         self._config_cache: Config | None = None
         # A Compact the leader holds back while a follower still needs the
@@ -320,6 +366,24 @@ class Replica:
     @property
     def ready(self) -> bool:
         return self._lead is not None and self._lead.phase == _READY
+
+    @property
+    def has_quorum(self) -> bool:
+        """False while this replica leads without round trips with a majority
+        of its voters within lease_ms (check-quorum); True otherwise."""
+        return self._lead is None or self._lead.quorum_ok
+
+    @property
+    def quorum_lost_at(self) -> int | None:
+        """When (on this replica's clock) a leader lost its quorum, if it has."""
+        return self._lead.quorum_lost_at if self._lead is not None else None
+
+    @property
+    def leader_heard_at(self) -> int | None:
+        """When (on this replica's clock) a non-leader last heard from its
+        term's leader, or learned of the term; None while leading or before
+        it knows of any."""
+        return None if self._lead is not None else self._heard_leader_at
 
     @property
     def last_seq(self) -> int:
@@ -445,6 +509,35 @@ class Replica:
         must follow the Persist (the shell performs effects in order)."""
         self._send(msg)
 
+    def _next_ts(self) -> int:
+        """The log time of an entry this leader appends now: the adopted
+        log's last timestamp when the term started, plus our monotonic time
+        since then (see "Log time").  A wall clock here would let one fast
+        clock expire every request id the group remembers."""
+        lead = self._lead
+        assert lead is not None
+        return lead.ts_base + (self._now - lead.now_base)
+
+    def _quorum_contact(self, lead: _Leadership) -> bool:
+        """Has this leader heard from a majority of its voters within lease_ms?"""
+        now, lease = self._now, self._cfg.lease_ms
+        if lead.phase == _BEGIN:
+            return now - lead.started_at < lease
+        if lead.phase == _FETCH:
+            # A majority promised; the fetch goes to one of them.  A source
+            # that stops answering shows in its followers' silence instead.
+            return True
+        voters = self._config().voters
+        fresh = 0
+        for v in voters:
+            if v == self._id:
+                fresh += 1
+            else:
+                pr = lead.progress.get(v)
+                if pr is not None and now - pr.heard_at < lease:
+                    fresh += 1
+        return 2 * fresh > len(voters) or not voters
+
     # ------------------------------------------------------------------
     # Effect helpers
 
@@ -559,11 +652,6 @@ class Replica:
         s = self._find_conflict_by_term(prev_seq, prev_term)
         return s, self.term_at(s) or 0
 
-    def _next_ts(self) -> int:
-        # Non-decreasing along the log, so dedup expiry is a prefix cut.
-        last = self._log[-1].ts if self._log else self._dedup.newest_ts
-        return max(self._now, last)
-
     def _config(self) -> Config:
         """The configuration in force: the newest config entry in the log (or
         the snapshot), else the bootstrap one meta assigned."""
@@ -600,6 +688,7 @@ class Replica:
         self._step_down(leader)
         self._term = term
         self._leader = leader
+        self._heard_leader_at = self._now  # the silence clock starts with the term
         self._persist(term=term)
 
     def _accept_term(self, msg: Message) -> bool:
@@ -612,6 +701,8 @@ class Replica:
             self._adopt_term(msg.term, msg.src)
         elif self._leader is None and self._lead is None:
             self._leader = msg.src
+        if msg.src == self._leader:
+            self._heard_leader_at = self._now
         return True
 
     def _step_down(self, new_leader: str | None) -> None:
@@ -651,6 +742,8 @@ class Replica:
                 self._announce()
         elif v.term == self._term and self._leader is None and v.leader != self._id:
             self._leader = v.leader
+            if self._heard_leader_at is None:
+                self._heard_leader_at = self._now
             self._announce()
 
     def _announce(self) -> None:
@@ -672,7 +765,7 @@ class Replica:
             # already be committed, so its voters must be asked too.
             quorums.append(lc[1].voters)
         ask = tuple(dict.fromkeys(v for q in quorums for v in q if v != self._id))
-        lead = _Leadership(quorums=tuple(quorums), begin_to=ask)
+        lead = _Leadership(quorums=tuple(quorums), begin_to=ask, started_at=self._now)
         lead.promised[self._id] = (self.last_term, self.last_seq)
         self._lead = lead
         if not self._begin_round_required():
@@ -814,6 +907,7 @@ class Replica:
         lead = self._lead
         assert lead is not None
         lead.phase = _BEGIN
+        lead.started_at = self._now
         lead.promised = {self._id: (self.last_term, self.last_seq)}
         lead.fetch_src, lead.fetch_goal, lead.fetch_prev = "", (0, 0), 0
         self._send_begins()
@@ -840,6 +934,9 @@ class Replica:
         lead = self._lead
         assert lead is not None
         lead.phase = _STARTING
+        # Log time continues from the adopted log (see "Log time").
+        lead.ts_base = self._log[-1].ts if self._log else self._dedup.newest_ts
+        lead.now_base = self._now
         e = Entry(self._term, self.last_seq + 1, "term_start", None, None, self._next_ts())
         self._log_append([e])
         self._persist(entries=[e])
@@ -868,13 +965,16 @@ class Replica:
         # Start with the entry just appended (the term start or the config
         # entry that added the peer), so there is always something to send.
         nxt = self.last_seq
+        # A promise counts as a round trip; a voter that never promised has
+        # been silent since the term began.
+        heard = self._now if peer in lead.promised else lead.started_at
         promised = lead.promised.get(peer)
         if promised is not None:
             # Its BeginOk told us where its log ends; a likely match point.
             t, s = promised
             if s < nxt and self.term_at(s) == t:
                 nxt = s + 1
-        return _Progress(next=nxt)
+        return _Progress(next=nxt, heard_at=heard)
 
     def _replicate_all(self) -> None:
         lead = self._lead
@@ -933,6 +1033,7 @@ class Replica:
         pr = lead.progress.get(m.src)
         if pr is None:
             return
+        pr.heard_at = self._now
         if m.ok:
             if m.match > pr.match:
                 pr.match = m.match
@@ -1021,6 +1122,8 @@ class Replica:
             self._check_read_round()
         pr = lead.progress.get(m.src)
         if pr is not None:
+            if m.commit is None:
+                pr.heard_at = self._now  # an answer to our Heartbeat (an announce proves no round trip)
             if m.commit is not None and m.commit < pr.told_commit:
                 pr.told_commit = m.commit  # it forgot (restarted): the commit notice tells it again
             self._replicate(m.src)
@@ -1196,6 +1299,9 @@ class Replica:
         lead = self._lead
         if lead is None:
             return NOT_LEADER, self._leader
+        self._check_quorum(lead)
+        if not lead.quorum_ok:
+            return NO_QUORUM, self._id
         if lead.phase != _READY:
             return NOT_LEADER, self._id  # leading soon: retry here
         if lead.transfer is not None:
@@ -1352,6 +1458,11 @@ class Replica:
                 self._follower_reads.append(_Read(r.req, r.min_seq, deadline))
             return
         lead = self._lead
+        if lead is not None:
+            self._check_quorum(lead)
+            if not lead.quorum_ok:
+                self._reply_error(r.req, NO_QUORUM, self._id)
+                return
         if lead is None or lead.phase != _READY:
             self._reply_error(r.req, NOT_LEADER, self._leader if lead is None else self._id)
             return
@@ -1426,6 +1537,7 @@ class Replica:
         if (
             lead is None
             or lead.phase != _READY
+            or not lead.quorum_ok
             or lead.transfer is not None
             or t.target == self._id
             or t.target not in self._config().voters
@@ -1502,6 +1614,55 @@ class Replica:
         return BAD_REQUEST
 
     # ------------------------------------------------------------------
+    # Check-quorum
+
+    def _check_quorum(self, lead: _Leadership) -> None:
+        ok = self._quorum_contact(lead)
+        if ok == lead.quorum_ok:
+            return
+        lead.quorum_ok = ok
+        if ok:
+            lead.quorum_lost_at = None
+        else:
+            lead.quorum_lost_at = self._now
+            # Whatever we were waiting on may or may not commit later (under
+            # us once replies return, or under the next leader): say so now,
+            # rather than after quorum_timeout.  Reads not yet confirmed by a
+            # round changed nothing; confirmed ones are still served.
+            for w in lead.waiter_deadlines:
+                if not w.done:
+                    w.done = True
+                    self._fail_waiter(w, QUORUM_TIMEOUT, self._id)
+            lead.waiters.clear()
+            lead.waiter_seqs.clear()
+            lead.all_waiters.clear()
+            lead.waiter_deadlines.clear()
+            for r in (*lead.round_reads, *lead.next_reads):
+                self._reply_error(r.req, NO_QUORUM, self._id)
+            lead.round_reads, lead.next_reads = [], []
+            lead.round_inflight = False
+        self._out.append(ReportQuorum(self._term, ok))
+
+    def _quorum_deadline(self, lead: _Leadership) -> int | None:
+        """When check-quorum must look again if no reply arrives meanwhile."""
+        if not lead.quorum_ok:
+            return None
+        lease = self._cfg.lease_ms
+        if lead.phase == _BEGIN:
+            return lead.started_at + lease
+        if lead.phase == _FETCH:
+            return None
+        voters = self._config().voters
+        need = len(voters) // 2 + 1 - (1 if self._id in voters else 0)
+        if need <= 0:
+            return None
+        heard = sorted((lead.progress[v].heard_at for v in voters if v in lead.progress), reverse=True)
+        if len(heard) < need:
+            return None
+        at = heard[need - 1] + lease
+        return at if at > self._now else None  # (never a timer in the past: it would spin)
+
+    # ------------------------------------------------------------------
     # Time
 
     def _on_tick(self, _: Tick) -> None:
@@ -1548,6 +1709,9 @@ class Replica:
         times: list[int] = []
         lead = self._lead
         if lead is not None:
+            lost_at = self._quorum_deadline(lead)
+            if lost_at is not None:
+                times.append(lost_at)
             if lead.phase in (_BEGIN, _FETCH):
                 times.append(lead.retry_at)
             else:
@@ -1573,6 +1737,8 @@ class Replica:
 
     def _settle(self) -> None:
         lead = self._lead
+        if lead is not None:
+            self._check_quorum(lead)
         if lead is not None and lead.phase in (_STARTING, _READY):
             self._advance_commit()
             if lead.phase == _STARTING and self._commit >= lead.term_start_seq:

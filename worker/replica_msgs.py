@@ -26,6 +26,10 @@ UNAVAILABLE = "unavailable"
 BUSY = "busy"  # a membership change is already in flight
 BAD_REQUEST = "bad_request"  # a membership change that makes no sense
 LAGGING = "lagging"  # promote refused: the learner has not caught up yet
+# Refused: this leader has not had a round trip with a majority of its voters
+# for `lease_ms` (check-quorum). Nothing new was appended; writes it took
+# earlier were answered QUORUM_TIMEOUT when it noticed.
+NO_QUORUM = "no_quorum"
 
 
 # --------------------------------------------------------------------------
@@ -43,9 +47,11 @@ class Config:
 @dataclass(slots=True, frozen=True)
 class Entry:
     """One log entry.  `data` is opaque for ops (a tuple of them for "ops"), a `Config` for config
-    entries and None for term starts.  `ts` is the leader's clock when it
-    appended the entry; it is what dedup expiry is computed from, so every
-    replica derives the same table."""
+    entries and None for term starts.  `ts` is the group's log time when the
+    leader appended the entry: ms of leadership, carried from leader to
+    leader (see "Log time" in worker/replica.py), never a wall clock.  It is
+    what dedup expiry is computed from, so every replica derives the same
+    table."""
 
     term: int
     seq: int
@@ -111,6 +117,11 @@ class ReplicaConfig:
     # group a message and a reply per follower, which was most of an idle
     # worker's CPU at 50 ms.
     heartbeat_ms: int = 500
+    # Check-quorum: a leader without a round trip with a majority of its
+    # voters for this long refuses writes and strong reads (NO_QUORUM) and
+    # says so (ReportQuorum); a follower's silence clock is reported against
+    # it too.  Must be well above heartbeat_ms (an idle leader's round trips).
+    lease_ms: int = 1500
     commit_notice_ms: int = 20
     retry_ms: int = 200
     quorum_timeout_ms: int = 2000
@@ -268,7 +279,7 @@ class ClientRead:
     query: Any
     consistency: Consistency = "strong"
     min_seq: int = 0
-    deadline: int = 0  # absolute ms, same clock as `now`
+    deadline: int = 0  # absolute ms on this replica's clock (the one `now` comes from)
 
 
 @dataclass(slots=True, frozen=True)
@@ -379,6 +390,15 @@ class ReportReady:
 
 
 @dataclass(slots=True, frozen=True)
+class ReportQuorum:
+    """The leader of `term` lost (ok=False) or regained (ok=True) round trips
+    with a majority of its voters within `lease_ms`: tell meta now."""
+
+    term: int
+    ok: bool
+
+
+@dataclass(slots=True, frozen=True)
 class TransferReady:
     """Ask meta to CAS the leadership to `target` (expect_term=`term`)."""
 
@@ -425,6 +445,6 @@ class DownloadSnapshot:
 
 
 Effect: TypeAlias = (
-    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | TransferReady | RefreshMeta | SetTimer
-    | DownloadSnapshot | TakeSnapshot
+    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | ReportQuorum | TransferReady | RefreshMeta
+    | SetTimer | DownloadSnapshot | TakeSnapshot
 )

@@ -32,10 +32,12 @@ from worker.replica_msgs import (
     HeartbeatReply,
     Message,
     MetaView,
+    NO_QUORUM,
     Persist,
     ReplicaConfig,
     Reply,
     ReplyMany,
+    ReportQuorum,
     ReportReady,
     Send,
     ServeRead,
@@ -564,7 +566,8 @@ def test_ack_all_waits_for_every_voter() -> None:
 
 
 def test_quorum_timeout() -> None:
-    net = ready_net()
+    # (A lease longer than the timeout: this is about the timeout, not check-quorum.)
+    net = ready_net(cfg=ReplicaConfig(lease_ms=CFG.quorum_timeout_ms * 10))
     net.drop = lambda m: m.src != "a"
     net.do("a", ClientWrite("w", "x"))
     net.run()
@@ -882,7 +885,9 @@ def test_transfer_times_out_and_admits_again() -> None:
     net.do("a", TransferLeader("b"))
     net.run()
     assert net.of("a", TransferReady)
-    net.tick(CFG.transfer_timeout_ms)
+    for _ in range(CFG.transfer_timeout_ms // CFG.heartbeat_ms):
+        net.tick(CFG.heartbeat_ms)  # (the idle heartbeats keep its quorum)
+        net.run()
     out = net.do("a", ClientWrite("w", "x"))
     assert not any(isinstance(e, Reply) for e in out)
     net.run()
@@ -1086,3 +1091,134 @@ def test_dedup_table_expiry_and_bound() -> None:
     assert d.lookup("r1") is None and d.lookup("r2") == 3  # 10 < 115 - 100
     again = DedupTable(100, 3, d.export(), d.newest_ts)
     assert again.export() == d.export()
+
+
+# ---------------------------------------------------------------------------
+# Check-quorum and the leader's silence
+
+
+@pytest.mark.parametrize("cut", ["both", "leader_cannot_send", "leader_cannot_receive"])
+def test_a_leader_cut_from_its_followers_refuses_promptly_and_says_so(cut: str) -> None:
+    net = ready_net()
+    a = net.r["a"]
+    drops: dict[str, Callable[[Message], bool]] = {
+        "both": lambda m: "a" in (m.src, m.dst),
+        "leader_cannot_send": lambda m: m.src == "a",
+        "leader_cannot_receive": lambda m: m.dst == "a",
+    }
+    net.drop = drops[cut]
+    net.do("a", ClientWrite("w1", "x"))
+    net.run()
+    net.tick(CFG.lease_ms - 1)
+    net.run()
+    assert a.has_quorum and not net.of("a", ReportQuorum) and not net.replies("a")
+    net.tick(1)
+    # The write it took is answered now (outcome unknown), not after quorum_timeout.
+    assert not a.has_quorum and a.quorum_lost_at == net.now
+    assert net.of("a", ReportQuorum) == [ReportQuorum(1, False)]
+    assert net.replies("a") == [Reply("w1", False, 0, 1, "quorum_timeout", "a")]
+    # New writes, strong reads, membership changes and transfers are refused at once.
+    last = a.last_seq
+    net.do("a", ClientWrite("w2", "y"))
+    net.do("a", ClientRead("r", "q", "strong"))
+    net.do("a", ChangeMembership("m", add_learner="d"))
+    net.do("a", TransferLeader("b"))
+    assert [(r.req, r.error_code) for r in net.replies("a")[1:]] == [("w2", NO_QUORUM), ("r", NO_QUORUM),
+                                                                      ("m", NO_QUORUM)]
+    assert a.last_seq == last and a.transfer_target is None
+    # The link heals: the next heartbeat's replies restore it.
+    net.drop = lambda m: False
+    net.tick(CFG.heartbeat_ms)
+    net.run()
+    assert a.has_quorum and a.quorum_lost_at is None
+    assert net.of("a", ReportQuorum)[-1] == ReportQuorum(1, True)
+    net.do("a", ClientWrite("w3", "z"))
+    net.run()
+    assert net.replies("a")[-1].ok
+
+
+def test_one_cut_follower_leaves_the_quorum_alone() -> None:
+    net = ready_net()
+    net.drop = lambda m: {m.src, m.dst} == {"a", "c"}
+    for _ in range(4 * CFG.lease_ms // CFG.heartbeat_ms):
+        net.tick(CFG.heartbeat_ms)
+        net.run()
+    a = net.r["a"]
+    assert a.has_quorum and not net.of("a", ReportQuorum)
+    net.do("a", ClientWrite("w", "x"))
+    net.run()
+    assert net.replies("a")[-1].ok
+    # ... and c, which hears nothing, knows since when.
+    c = net.r["c"]
+    assert c.leader_heard_at is not None and net.now - c.leader_heard_at >= 3 * CFG.lease_ms
+    assert net.now - net.r["b"].leader_heard_at <= CFG.heartbeat_ms
+    assert a.leader_heard_at is None  # a leader reports its quorum instead
+
+
+def test_an_idle_leader_keeps_its_quorum_on_heartbeats() -> None:
+    net = ready_net()
+    for _ in range(10):
+        net.tick(CFG.heartbeat_ms)
+        net.run()
+    assert net.r["a"].has_quorum and not net.of("a", ReportQuorum)
+
+
+def test_a_leader_without_promises_reports_no_quorum_then_recovers() -> None:
+    net = Net({x: StoredState() for x in VOTERS})
+    net.drop = lambda m: isinstance(m, Begin)
+    net.view(1, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    net.do("a", ClientWrite("w1", "x"))
+    assert net.replies("a")[-1].error_code == "not_leader"  # starting: retry here soon
+    net.tick(CFG.lease_ms)
+    net.run()
+    assert not a.has_quorum and net.of("a", ReportQuorum) == [ReportQuorum(1, False)]
+    net.do("a", ClientWrite("w2", "x"))
+    assert net.replies("a")[-1].error_code == NO_QUORUM
+    net.drop = lambda m: False
+    net.tick(CFG.retry_ms)
+    net.run()
+    assert a.ready and a.has_quorum and net.of("a", ReportQuorum)[-1] == ReportQuorum(1, True)
+
+
+def test_entry_timestamps_are_log_time_carried_from_leader_to_leader() -> None:
+    """A leader stamps entries with the adopted log's last timestamp plus its
+    own elapsed time, whatever its clock reads: replicas' clocks here are a
+    day apart, and the dedup window still holds."""
+    net = ready_net(cfg=ReplicaConfig(dedup_window_ms=1000))
+    for _ in range(8):
+        net.tick(CFG.heartbeat_ms)
+        net.run()
+    assert net.now == 5_000
+    net.do("a", ClientWrite("w1", "x", rid="r1"))
+    net.run()
+    e = net.r["a"].entries(2, 2)[0]
+    assert e.ts == 5_000 - 1000  # ready_net's term started at now=1000 with an empty log (ts 0)
+    # b takes over with a clock a day ahead: its term continues at the log's last timestamp.
+    day = 86_400_000
+    for n in net.r:
+        net.do(n, MetaView(2, "b", VOTERS))
+    b = net.r["b"]
+    start = net.now
+
+    def run_at_b_clock() -> None:
+        while net.queue:
+            m = net.queue.pop(0)
+            net.effects[m.dst].extend(out := net.r[m.dst].handle(m, net.now + (day if m.dst == "b" else 0)))
+            net.queue.extend(x.msg for x in out if isinstance(x, Send))
+
+    for n in net.r:
+        out = net.r[n].handle(MetaView(2, "b", VOTERS), net.now + (day if n == "b" else 0))
+        net.queue.extend(x.msg for x in out if isinstance(x, Send))
+    run_at_b_clock()
+    assert b.ready
+    term_start = b.entries(3, 3)[0]
+    assert term_start.kind == "term_start" and term_start.ts == e.ts
+    # A retry of r1, 500 ms of b's time later, is still known: answered with seq 2.
+    out = b.handle(ClientWrite("w1-again", "x", rid="r1"), start + day + 500)
+    assert [r for r in out if isinstance(r, Reply)] == [Reply("w1-again", True, 2, 2, None, "b")]
+    out = b.handle(ClientWrite("w2", "y", rid="r2"), start + day + 600)
+    net.queue.extend(x.msg for x in out if isinstance(x, Send))
+    run_at_b_clock()
+    assert b.entries(4, 4)[0].ts == e.ts + 600
