@@ -69,12 +69,14 @@ DOWNLOAD_CHUNK = 1 << 20
 # Resending after a second instead of the core's 5 s keeps that from stalling
 # the catch-up; a replica already downloading ignores the repeats.
 SNAPSHOT_RETRY_MS = 1000
+_CORE_DEFAULTS = m.ReplicaConfig()
 
 
 def now_ms() -> int:
-    # Wall-clock ms: the leader stamps it into entries for dedup expiry,
-    # which every replica must compare across machines.
-    return time.time_ns() // 1_000_000
+    # The core's clock, for every timer, deadline and lease: monotonic, so a
+    # stepped or skewed wall clock moves none of them. The core never compares
+    # it with another process's (entries carry log time: see worker/replica.py).
+    return time.monotonic_ns() // 1_000_000
 
 
 class GroupHooks(Protocol):
@@ -86,6 +88,8 @@ class GroupHooks(Protocol):
 
     def transfer_ready(self, group: int, target: str, term: int) -> None: ...
 
+    def report_quorum(self, group: int, term: int, ok: bool) -> None: ...
+
     def refresh_meta(self) -> None: ...
 
 
@@ -94,6 +98,7 @@ class GroupSettings:
     fsync: str = "batch"
     snapshot_every: int = 100_000
     quorum_timeout_ms: int = 2000
+    lease_ms: int = 1500
     segment_bytes: int = 64 * 1024 * 1024
 
 
@@ -286,6 +291,11 @@ class GroupShell:
         self._resync_marker = marker if resync else None
         self.replica = Replica(self.node_id, self.gid,
                                m.ReplicaConfig(quorum_timeout_ms=self.settings.quorum_timeout_ms,
+                                               lease_ms=self.settings.lease_ms,
+                                               # Several round trips per lease, so one lost
+                                               # heartbeat does not cost the quorum.
+                                               heartbeat_ms=min(_CORE_DEFAULTS.heartbeat_ms,
+                                                                self.settings.lease_ms // 3),
                                                snapshot_retry_ms=SNAPSHOT_RETRY_MS,
                                                snapshot_every=self._snapshot_after,
                                                op_weight=self.plugin.weight), stored)
@@ -488,6 +498,13 @@ class GroupShell:
                 self._set_timer(eff.at)
             elif isinstance(eff, m.ReportReady):
                 self.hooks.report_ready(self.gid, eff.term)
+            elif isinstance(eff, m.ReportQuorum):
+                if eff.ok:
+                    self.log.info("quorum_regained", term=eff.term)
+                else:
+                    self.log.warning("quorum_lost", term=eff.term, lease_ms=self.settings.lease_ms,
+                                     voters=list(self.replica.voters) if self.replica else None)
+                self.hooks.report_quorum(self.gid, eff.term, eff.ok)
             elif isinstance(eff, m.TransferReady):
                 self.hooks.transfer_ready(self.gid, eff.target, eff.term)
             elif isinstance(eff, m.RefreshMeta):
@@ -790,8 +807,14 @@ class GroupShell:
         r = self.replica
         if r is None:
             return {"state": "closed"}
+        now = now_ms()
+        heard, lost = r.leader_heard_at, r.quorum_lost_at
         return {
             "term": r.term, "role": r.role, "leader": r.leader, "ready": r.ready,
+            # Check-quorum, for meta's controller and operators: a leader's
+            # quorum (and for how long it has lacked one), a follower's silence.
+            "quorum": r.has_quorum, "no_quorum_ms": now - lost if lost is not None else None,
+            "leader_silence_ms": now - heard if heard is not None else None,
             "last_term": r.last_term, "last_seq": r.last_seq, "commit": r.commit_seq, "applied": r.applied_seq,
             "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,
             "write_rate": round(self.latency.rate(), 1),

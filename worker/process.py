@@ -100,6 +100,7 @@ class WorkerNode:
         reg.register(_BatchingCollector(self.pass_stats, self.transport.stats))
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- hooks for groups --------------------------------------------------------
@@ -123,6 +124,11 @@ class WorkerNode:
     def transfer_ready(self, group: int, target: str, term: int) -> None:
         self._spawn(self._meta_call("POST", f"/v1/groups/{group}/leader", {"leader": target, "expect_term": term},
                                     what="transfer_handover"))
+
+    def report_quorum(self, group: int, term: int, ok: bool) -> None:
+        # The next heartbeat carries it (group reports); send that one now
+        # rather than up to a report interval later: meta fails the group over.
+        self._beat_now.set()
 
     def refresh_meta(self) -> None:
         self._refresh.set()
@@ -199,7 +205,8 @@ class WorkerNode:
         plugin = load_plugin(topo["plugin"], PluginSettings(embedding_dim=int(s["embedding_dim"])))
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
-                                         quorum_timeout_ms=int(s["quorum_timeout_ms"])),
+                                         quorum_timeout_ms=int(s["quorum_timeout_ms"]),
+                                         lease_ms=int(s["lease_ms"])),
                            self.transport, self, self.log, self.pass_stats)
         shell.on_sync = self._wal_sync.observe
         try:
@@ -254,9 +261,13 @@ class WorkerNode:
 
     async def _heartbeat(self) -> None:
         while True:
+            self._beat_now.clear()
             if self.registered:
                 await self._beat()
-            await asyncio.sleep(max(0.05, self._lease_ms() / 5000))
+            try:
+                await asyncio.wait_for(self._beat_now.wait(), max(0.05, self._lease_ms() / 5000))
+            except asyncio.TimeoutError:
+                pass
 
     # -- lifecycle --------------------------------------------------------------------
 

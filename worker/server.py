@@ -267,17 +267,17 @@ class WorkerApi:
         return str(ack)
 
     def _error(self, shell: Any, out: Any) -> dict[str, Any]:
-        code = out.error_code or "unavailable"
+        code, reason = _wire_code(out.error_code)
         leader = out.leader if out.leader is not None else shell.replica.leader
-        return error_body(code, out.message or _MESSAGES.get(code, code), shard=shell.gid,
-                          term=out.term or shell.replica.term, leader=leader,
+        return error_body(code, out.message or _MESSAGES.get(reason or code, code), shard=shell.gid,
+                          term=out.term or shell.replica.term, leader=leader, reason=reason,
                           maybe_applied=True if out.maybe_applied else None)
 
     def _outcome(self, shell: Any, out: Any) -> "CallResult":
         if out.ok:
             return CallResult(200, {"seq": out.seq, "term": out.term, "result": out.result},
                               shell.gid, out.term, out.seq)
-        code = out.error_code or "unavailable"
+        code, _ = _wire_code(out.error_code)
         return CallResult(STATUS_FOR_CODE.get(code, 503), self._error(shell, out), shell.gid, out.term, out.seq)
 
     async def calls(self, request: web.Request) -> web.StreamResponse:
@@ -369,7 +369,18 @@ class WorkerApi:
         return web.FileResponse(snap.path, chunk_size=1 << 20)
 
 
+def _wire_code(core_code: str | None) -> tuple[str, str | None]:
+    """(error code, reason) on the wire for the core's error code: the core's
+    no_quorum is an `unavailable` whose reason says which (clients and
+    gateways know `unavailable`; nothing was applied)."""
+    if core_code == m.NO_QUORUM:
+        return "unavailable", m.NO_QUORUM
+    return core_code or "unavailable", None
+
+
 _MESSAGES = {
+    m.NO_QUORUM: "the group's leader has had no round trip with a majority of its replicas within lease_ms "
+               "(check-quorum); nothing was applied, meta moves the leadership",
     "not_leader": "this replica is not the group's ready leader",
     "quorum_timeout": "not acknowledged by a quorum in time; outcome unknown: retry with the same request id",
     "deadline_exceeded": "could not be served within the deadline",

@@ -33,6 +33,9 @@ class _Hooks:
     def transfer_ready(self, group: int, target: str, term: int) -> None:
         pass
 
+    def report_quorum(self, group: int, term: int, ok: bool) -> None:
+        pass
+
     def refresh_meta(self) -> None:
         pass
 
