@@ -21,6 +21,19 @@ once it has stayed up), else back to the restarted worker. Without this a quick
 restart, or a restart of the whole cluster, left its groups answering
 `not_leader` for good.
 
+An isolated leader: meta may hear a leader that its followers cannot (a cut
+between workers, or one direction of it). Check-quorum makes such a leader
+refuse writes and report `quorum: false` (worker/replica.py); followers report
+how long they have not heard from their term's leader. Either the leader's
+own report, or a majority of the group's voters silent on it for `lease_ms`
+(a wedged leader cannot report), fails the group over through the same
+compare-and-set -- to the most up-to-date live voter, and only when the live
+voters other than that leader are a majority on their own (otherwise no move
+can help). A partitioned follower alone is never enough. Such a move is held
+for ISOLATION_HOLD_LEASES leases (the decision window): a flapping link
+moves the leadership at most once per window, and leader balance leaves the
+group alone for that long too.
+
 Leader balance (Kafka's preferred-leader election): every group has a
 preferred leader — the topology's placement, or the target of the last
 operator transfer. Failovers and restarts move leaderships onto the
@@ -50,6 +63,10 @@ CATCH_UP_LAG = 64
 # without a gap: a worker that restarts in a loop must not drag leaderships
 # back and forth.
 REBALANCE_AFTER_MS = 10_000
+
+# The decision window of an isolation failover, in leases: the group is not
+# moved again for isolation, nor balanced, for this long after one.
+ISOLATION_HOLD_LEASES = 4
 
 
 def transfer_lag_allowed(leader: GroupReport, lease_ms: int) -> int:
@@ -81,6 +98,10 @@ class GroupReport:
     # until its worker restarts, so it must not lead. Why, as the worker said.
     failed: str | None = None
     write_rate: float = 0.0  # acknowledged writes/s (leaders), for lag allowances
+    # Check-quorum: a leader's verdict (None: not leading, or an older worker)
+    # and a non-leader's time since it last heard from its term's leader.
+    quorum: bool | None = None
+    leader_silence_ms: int | None = None
 
 
 @dataclass
@@ -100,6 +121,8 @@ class SoftState:
     # When this meta leader first saw each worker in the replicated state: a
     # worker declared a moment ago gets a full lease to show up.
     first_known_ms: dict[str, int] = field(default_factory=dict)
+    # group -> when its leadership was last moved for isolation (the window).
+    isolation_moved_ms: dict[int, int] = field(default_factory=dict)
 
     def know(self, worker: str, now_ms: int) -> None:
         self.first_known_ms.setdefault(worker, now_ms)
@@ -120,6 +143,8 @@ class SetLeader:
     leader: str
     expect_term: int
     reason: str
+    # Why, in one word, for metrics: silent, restarted, unusable, unassigned, isolated.
+    cause: str = field(default="silent", compare=False)
 
 
 @dataclass(frozen=True)
@@ -218,6 +243,58 @@ def restarted_leader(report: GroupReport, group: GroupRecord) -> bool:
     A leader meta names takes the new term and starts leading it in the same
     step, so no leader on its way up looks like this."""
     return report.term == group.term and report.role in ("follower", "learner")
+
+
+def isolation_evidence(voters: Sequence[str], leader: str, leader_quorum: bool | None,
+                       silence_ms: Mapping[str, int | None], lease_ms: int) -> str | None:
+    """Why `leader` is cut off from its group's voters, or None.
+
+    `leader_quorum` is the leader's own check-quorum at the group's term
+    (None: unknown); `silence_ms` maps each other voter to how long it has
+    not heard from that leader at that term (None or absent: unknown). Pure
+    and shared with the replication simulation (tests/tier1/replica_sim.py).
+    """
+    if leader_quorum is False:
+        return f"leader {leader} reports no round trip with a majority of its voters within {lease_ms} ms"
+    silent = sorted(v for v in voters if v != leader and (silence_ms.get(v) or 0) >= lease_ms)
+    if len(silent) >= len(voters) // 2 + 1:
+        return f"voters {', '.join(silent)} have not heard from leader {leader} for {lease_ms} ms"
+    return None
+
+
+def isolated_leader(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int) -> str | None:
+    """Why the group's live leader should be replaced for isolation, or None.
+
+    Judged from this meta leader's reports at the group's current term: a
+    follower's silence grows by the age of its report. None while the
+    decision window of an earlier isolation move holds, and when the live,
+    usable voters other than the leader are no majority (no move can help).
+    """
+    leader = group.leader
+    if leader is None:
+        return None
+    moved = soft.isolation_moved_ms.get(group.id)
+    if moved is not None and now_ms - moved < ISOLATION_HOLD_LEASES * lease_ms:
+        return None
+    if group.ready_term == 0 and now_ms - soft.leader_since_ms < BOOTSTRAP_GRACE_MS:
+        return None  # a new group's voters may still be starting
+    lead = report_of(soft, leader, group.id)
+    leader_quorum = lead.quorum if lead is not None and lead.term == group.term else None
+    silence: dict[str, int | None] = {}
+    others = 0
+    for v in group.voters:
+        if v == leader or not heard_live(soft, v, now_ms, lease_ms):
+            continue
+        seen = soft.workers[v]
+        rep = seen.groups.get(group.id)
+        if rep is None or unusable(rep):
+            continue
+        others += 1
+        if rep.term == group.term and rep.leader_silence_ms is not None:
+            silence[v] = rep.leader_silence_ms + (now_ms - seen.last_seen_ms)
+    if others < len(group.voters) // 2 + 1:
+        return None
+    return isolation_evidence(group.voters, leader, leader_quorum, silence, lease_ms)
 
 
 def report_of(soft: SoftState, worker: str | None, group: int) -> GroupReport | None:
@@ -325,12 +402,17 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
         if not g.ready or g.leader is None or pref is None or pref == g.leader or pref not in g.voters \
                 or g.id in busy or not is_live(soft, g.leader, now_ms, lease_ms):
             continue  # (a silent leader is failover's business)
+        moved = soft.isolation_moved_ms.get(g.id)
+        if moved is not None and now_ms - moved < max(ISOLATION_HOLD_LEASES * lease_ms, REBALANCE_AFTER_MS):
+            continue  # moved away for isolation: the window holds
         seen = soft.workers.get(pref)
         if seen is None or not is_live(soft, pref, now_ms, lease_ms) or now_ms - seen.up_since_ms < REBALANCE_AFTER_MS:
             continue
         rep, lead = report_of(soft, pref, g.id), report_of(soft, g.leader, g.id)
         if rep is None or lead is None or unusable(rep) or rep.term != g.term:
             continue
+        if rep.leader_silence_ms is not None and rep.leader_silence_ms >= lease_ms:
+            continue  # it cannot hear the leader: a transfer to it would stall
         if rep.last_seq < lead.commit - transfer_lag_allowed(lead, lease_ms):
             continue
         return [StartTransfer(g.id, g.leader, pref)]
@@ -347,27 +429,34 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         lead_report = report_of(soft, group.leader, group.id)
         usable = lead_report is None or not unusable(lead_report)
         restarted = lead_report is not None and usable and restarted_leader(lead_report, group)
+        isolated = None
         if restarted:
             # Judged from a report, maybe right after a meta election: only
             # voters that have reported too, the restarted one last.
             candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True) or \
                 failover_candidate(group, soft, now_ms, lease_ms, include_leader=True, heard_only=True)
-        elif not judge_silence or (group.leader is not None and usable
-                                   and is_live(soft, group.leader, now_ms, grace)):
+        elif group.leader is not None and usable and is_live(soft, group.leader, now_ms, grace):
+            isolated = isolated_leader(group, soft, now_ms, lease_ms)
+            if isolated is None:
+                continue
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True)
+        elif not judge_silence:
             continue
         else:
             candidate = failover_candidate(group, soft, now_ms, lease_ms)
         if candidate is None:
             continue
         if group.leader is None:
-            reason = "leader_unassigned"
+            reason, cause = "leader_unassigned", "unassigned"
+        elif isolated is not None:
+            reason, cause = isolated, "isolated"
         elif restarted:
-            reason = f"leader {group.leader} holds term {group.term} as a follower (restarted)"
+            reason, cause = f"leader {group.leader} holds term {group.term} as a follower (restarted)", "restarted"
         elif lead_report is not None and lead_report.resyncing:
-            reason = f"leader {group.leader} lost its log and re-syncs"
+            reason, cause = f"leader {group.leader} lost its log and re-syncs", "unusable"
         elif lead_report is not None and lead_report.failed is not None:
-            reason = f"leader {group.leader}'s replica failed: {lead_report.failed}"
+            reason, cause = f"leader {group.leader}'s replica failed: {lead_report.failed}", "unusable"
         else:
-            reason = f"leader {group.leader} silent for {grace} ms"
-        actions.append(SetLeader(group.id, candidate, group.term, reason))
+            reason, cause = f"leader {group.leader} silent for {grace} ms", "silent"
+        actions.append(SetLeader(group.id, candidate, group.term, reason, cause))
     return actions

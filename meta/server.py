@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
                              UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
@@ -87,6 +87,8 @@ class MetaServer:
         self.g_leader = Gauge("shardgrid_meta_is_leader", "1 on the meta Raft leader", registry=reg)
         self.g_revision = Gauge("shardgrid_meta_revision", "applied cluster revision", registry=reg)
         self.g_raft_term = Gauge("shardgrid_meta_raft_term", "PySyncObj term", registry=reg)
+        self.c_failovers = Counter("shardgrid_meta_failovers", "leaderships the controller moved, by cause "
+                                   "(silent, restarted, unusable, unassigned, isolated)", ["cause"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
@@ -475,7 +477,9 @@ class MetaServer:
                     learners=tuple(str(v) for v in rep.get("learners", ())),
                     config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)),
                     failed=_failed_of(rep),
-                    write_rate=float(rep.get("write_rate", 0) or 0))
+                    write_rate=float(rep.get("write_rate", 0) or 0),
+                    quorum=_opt_bool(rep.get("quorum")),
+                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
                 from None
@@ -547,8 +551,12 @@ class MetaServer:
             result = await self._submit({"op": "set_leader", "group": action.group, "leader": action.leader,
                                          "expect_term": action.expect_term})
             self.log.info("failover", group=action.group, new_leader=action.leader,
-                          expect_term=action.expect_term, reason=action.reason,
+                          expect_term=action.expect_term, reason=action.reason, cause=action.cause,
                           ok=result.get("ok"), code=result.get("code"))
+            if result.get("ok"):
+                self.c_failovers.labels(action.cause).inc()
+                if action.cause == "isolated" and self.soft is not None:
+                    self.soft.isolation_moved_ms[action.group] = _now_ms()
         elif isinstance(action, RecordMembers):
             result = await self._submit({"op": "set_members", "group": action.group, "voters": list(action.voters),
                                          "learners": list(action.learners), "conf_ver": action.conf_ver,
@@ -597,6 +605,16 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("bad_request", "the body must be a JSON object")
     return body
+
+
+def _opt_bool(value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise TypeError("quorum must be true, false or null")
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _failed_of(rep: dict[str, Any]) -> str | None:
