@@ -26,9 +26,21 @@ What is modelled
   entries left but before its own Persist of them;
 * clients: writes with unique values and rids (ack quorum / all / leader),
   retried with the same rid elsewhere after not_leader / quorum_timeout /
-  silence; strong and follower reads; transfers; membership changes;
+  silence, and re-sent after they were acknowledged (a lost response) --
+  always within the dedup window of their first send, as the API asks;
+  strong and follower reads; transfers; membership changes;
   compactions and snapshot downloads (an instant copy of the source's
-  durable snapshot).
+  durable snapshot);
+* clocks: every node's `now` is its own monotonic clock (the sim's time plus
+  an offset drawn anew at each start: a reboot may begin anywhere), and each
+  node has a wall clock, skewed by up to hours and stepped now and then,
+  which nothing in the core may read (a planted bug does: it must be caught);
+* meta's isolation failover (check-quorum): the rule of meta/controller.py
+  (`isolation_evidence`) over the leader's has_quorum and the followers'
+  silence, with its decision window;
+* quiet windows (profile "isolation"): no crash, no loss, no meta whim; the
+  current leader is cut from its followers (both ways, or one direction)
+  while meta still hears everyone, or the link to the current leader flaps.
 
 Invariants (checked incrementally)
 ----------------------------------
@@ -50,11 +62,18 @@ Invariants (checked incrementally)
 * every write acknowledged with ack=quorum|all is in C at the seq it was
   acknowledged with, and at the end exactly once; no rid is in C twice;
 * a strong read is served at a state that includes every quorum write
-  acknowledged before the read was issued; a follower read honours min_seq.
+  acknowledged before the read was issued; a follower read honours min_seq;
+* exactly-once: a write re-sent within the dedup window is answered with the
+  seq it was acknowledged at, and no rid is ever committed twice;
+* availability: after a cut that leaves the other voters a connected
+  majority, one of them is the ready leader (with its quorum) within a bound;
+  a flapping link changes the leadership at most once per decision window.
 At the end everything heals and the group must converge within a bound.
 
-Seeds draw one of two profiles: "mixed" (every knob varies) or "failover"
-(a storm of short-lived leaders on three replicas with tiny batches).
+Seeds draw one of four profiles: "mixed" (every knob varies), "failover"
+(a storm of short-lived leaders on three replicas with tiny batches),
+"clocks" (a short dedup window, wildly skewed wall clocks, lost responses)
+and "isolation" (quiet windows with long, one-way and flapping cuts).
 """
 from __future__ import annotations
 
@@ -66,6 +85,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meta.controller import ISOLATION_HOLD_LEASES, isolation_evidence
 from worker.replica import Replica
 from worker.replica_msgs import (
     Append,
@@ -87,6 +107,7 @@ from worker.replica_msgs import (
     ReplicaConfig,
     Reply,
     ReplyMany,
+    ReportQuorum,
     ReportReady,
     Send,
     ServeRead,
@@ -102,6 +123,8 @@ from worker.replica_msgs import (
 )
 
 GROUP = 0
+WALL_EPOCH = 1_796_000_000_000  # what a wall clock reads at the sim's time 0 (Dec 2026, in ms)
+RESEND_MARGIN_MS = 10  # a retry is sent this much inside the window: it still has to arrive
 
 
 def early_append_end(out: list[Any]) -> int | None:
@@ -176,6 +199,8 @@ class Node:
     sent_term: int = 0  # highest term this node ever put on the wire
     timer_at: int = -1
     down_until: int = 0
+    mono: int = 0  # this incarnation's clock: its `now` is the sim's time plus this
+    wall: int = 0  # its wall clock's offset from the sim's time (only planted bugs read it)
 
 
 @dataclass(slots=True)
@@ -187,6 +212,7 @@ class WriteOp:
     attempts: int = 0
     done: bool = False
     seq: int = 0
+    first_sent: int = 0
 
 
 @dataclass(slots=True)
@@ -213,9 +239,14 @@ class Params:
     nemesis: float  # scales the targeted strikes at leaders (see Sim.perform)
     patience_ms: int  # how long meta waits for a ready leader before failing over
     cfg: ReplicaConfig
+    profile: str = "mixed"
+    resend: float = 0.0  # share of driver steps that re-send an acknowledged write (a lost response)
+    wall_skew_ms: int = 0  # wall clocks are off by up to this much
+    quiet_weight: float = 0.0  # driver weight of a quiet window with a cut on the leader
 
 
-PROFILES = ("mixed", "failover")
+PROFILES = ("mixed", "failover", "clocks", "isolation")
+HOUR_MS = 3_600_000
 
 
 def sim_weight(op: Any) -> int:
@@ -232,7 +263,70 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
     replicated separately from the term-start entry, higher-term leftovers
     on a minority)."""
     if profile is None:
-        profile = "failover" if rng.random() < 0.3 else "mixed"
+        x = rng.random()
+        profile = "failover" if x < 0.25 else "clocks" if x < 0.4 else "isolation" if x < 0.55 else "mixed"
+    if profile == "clocks":
+        # A dedup window short enough to expire within a run, clients that
+        # re-send acknowledged writes, wall clocks hours apart, many leaders.
+        return Params(
+            nodes=3,
+            voters=3,
+            chaos_ms=rng.randint(1500, 3000),
+            step_ms=(4, 16),
+            delay=(1, rng.choice((5, 15))),
+            tail=0.0,
+            loss=rng.choice((0.0, 0.02)),
+            dup=0.0,
+            mid_crash=0.004,
+            power_share=0.5,
+            meta_rate=rng.choice((0.05, 0.1)),
+            nemesis=0.0,
+            patience_ms=200,
+            cfg=ReplicaConfig(
+                heartbeat_ms=50,
+                lease_ms=rng.choice((200, 400)),
+                retry_ms=100,
+                quorum_timeout_ms=600,
+                max_batch_entries=rng.choice((2, 64)),
+                transfer_timeout_ms=500,
+                snapshot_retry_ms=400,
+                snapshot_every=rng.choice((0, 5)),
+                dedup_window_ms=rng.choice((250, 500, 1000)),
+            ),
+            profile=profile,
+            resend=0.15,
+            wall_skew_ms=rng.choice((15 * 60_000, 2 * HOUR_MS, 48 * HOUR_MS)),
+        )
+    if profile == "isolation":
+        hb = rng.choice((20, 50))
+        return Params(
+            nodes=rng.choice((3, 3, 5)),
+            voters=3,
+            chaos_ms=rng.randint(4000, 6000),
+            step_ms=(4, 16),
+            delay=(1, rng.choice((5, 15))),
+            tail=rng.choice((0.0, 0.05)),
+            loss=rng.choice((0.0, 0.02)),
+            dup=rng.choice((0.0, 0.02)),
+            mid_crash=0.002,
+            power_share=0.5,
+            meta_rate=0.02,
+            nemesis=rng.choice((0.0, 0.3)),
+            patience_ms=300,
+            cfg=ReplicaConfig(
+                heartbeat_ms=hb,
+                lease_ms=hb * rng.choice((4, 6)),
+                retry_ms=rng.choice((50, 100)),
+                quorum_timeout_ms=600,
+                max_batch_entries=rng.choice((2, 64)),
+                transfer_timeout_ms=500,
+                snapshot_retry_ms=400,
+                snapshot_every=rng.choice((0, 10)),
+            ),
+            profile=profile,
+            resend=0.05,
+            quiet_weight=3.0,
+        )
     if profile == "failover":
         return Params(
             nodes=3,
@@ -250,6 +344,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             patience_ms=rng.choice((100, 200)),
             cfg=ReplicaConfig(
                 heartbeat_ms=50,
+                lease_ms=rng.choice((150, 300)),
                 retry_ms=rng.choice((100, 200)),
                 quorum_timeout_ms=600,
                 max_batch_entries=rng.choice((1, 2)),
@@ -257,10 +352,12 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
                 transfer_timeout_ms=500,
                 snapshot_retry_ms=400,
             ),
+            profile=profile,
         )
     nodes = rng.choice((3, 3, 4, 5))
     voters = 3 if nodes > 3 and rng.random() < 0.7 else nodes
     heat = rng.choice((0.5, 1.0, 1.0, 2.0, 4.0))
+    heartbeat = rng.choice((50, 100, 500))
     return Params(
         nodes=nodes,
         voters=voters,
@@ -277,7 +374,8 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
         patience_ms=600,
         cfg=ReplicaConfig(
             # 500: followers learn the last commit of a burst only from the commit notice.
-            heartbeat_ms=rng.choice((50, 100, 500)),
+            heartbeat_ms=heartbeat,
+            lease_ms=heartbeat * rng.choice((3, 5)),
             commit_notice_ms=rng.choice((5, 20)),
             retry_ms=rng.choice((100, 200)),
             quorum_timeout_ms=600,
@@ -291,6 +389,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             # snapshot points and catch-up messages count by weight.
             op_weight=rng.choice((None, sim_weight)),
         ),
+        resend=rng.choice((0.0, 0.02)),
     )
 
 
@@ -309,8 +408,19 @@ class Sim:
         self.steps = 0
         self.names = [f"n{i}" for i in range(self.p.nodes)]
         self.nodes = {n: Node(n) for n in self.names}
+        skew = self.p.wall_skew_ms
+        for node in self.nodes.values():
+            node.wall = self.rng.randint(-skew, skew) if skew else 0
         self.cut: set[tuple[str, str]] = set()
+        self.cut_id = 0  # heal(id) heals only the cut it was scheduled for
         self.converging = False
+        # Quiet windows: no crash, loss or meta whim while a cut on the leader
+        # is judged for availability (or a flapping link for stability).
+        self.quiet: str | None = None
+        self.quiet_until = 0
+        self.quiet_term = 0
+        self.quiet_started = 0
+        self.m_isolation_at: int | None = None  # meta's decision window (see meta/controller.py)
         # meta
         self.m_term = 0
         self.m_leader: str | None = None
@@ -333,6 +443,8 @@ class Sim:
         self.reads: dict[int, ReadOp] = {}
         self.next_id = 0
         self.acked: dict[str, int] = {}
+        self.acked_ops: list[WriteOp] = []  # quorum/all writes in the order they were acknowledged
+        self.resends: set[tuple[int, int]] = set()  # (write, attempt) of each lost-response re-send
         self.stats: Counter[str] = Counter()  # what a run exercised
 
     # ------------------------------------------------------------------
@@ -349,6 +461,18 @@ class Sim:
     def fail(self, text: str) -> None:
         raise SimViolation(f"seed {self.seed} t={self.now}: {text}")
 
+    @property
+    def calm(self) -> bool:
+        """No faults now: converging, or in a quiet window."""
+        return self.converging or self.quiet is not None
+
+    def clock(self, node: Node) -> int:
+        """The node's monotonic clock: what its replica gets as `now`."""
+        return self.now + node.mono
+
+    def wall_clock(self, node: Node) -> int:
+        return WALL_EPOCH + self.now + node.wall
+
     def run(self) -> None:
         self.log(f"PARAMS {self.p}")
         for n in self.names:
@@ -356,6 +480,8 @@ class Sim:
         self.meta_cas(self.m_voters[0])
         self.at(1, self.drive)
         self.at(50, self.meta_watch)
+        if self.p.wall_skew_ms:
+            self.at(self.rng.randint(100, 600), self.step_wall)
         self.at(self.p.chaos_ms, self.begin_convergence)
         limit = self.p.chaos_ms + 15_000
         while self.queue:
@@ -391,6 +517,11 @@ class Sim:
         if d.term < node.sent_term:
             self.fail(f"{node.name} restarted at term {d.term} after sending at {node.sent_term}")
         node.replica = self.replica_cls(node.name, GROUP, self.p.cfg, d.stored())
+        if hasattr(node.replica, "wall_clock"):
+            # Only a planted bug reads a wall clock; give it this node's.
+            node.replica.wall_clock = lambda node=node: self.wall_clock(node)
+        # A new incarnation's clock may start anywhere (a reboot resets it).
+        node.mono = self.rng.randint(0, 10**9)
         node.inc += 1
         node.pending = []
         node.term_seen = d.term
@@ -413,11 +544,11 @@ class Sim:
         if type(ev) is HeartbeatReply and ev.commit is not None and ev.commit < r.commit_seq and r.role == "leader":
             self.stats["announce_behind"] += 1  # a restarted follower tells the leader what it forgot
         try:
-            out = r.handle(ev, self.now)
+            out = r.handle(ev, self.clock(node))
         except AssertionError as exc:
             self.fail(f"{node.name} raised on {ev}: {exc}")
         crash_at = None
-        if not self.converging and out and self.rng.random() < self.p.mid_crash:
+        if not self.calm and out and self.rng.random() < self.p.mid_crash:
             crash_at = self.rng.randint(0, len(out))
         elif (early := early_append_end(out)) is not None and self.nemesis_roll(0.3):
             # A leader dies after its Appends left but before its own copy
@@ -466,7 +597,11 @@ class Sim:
                 self.on_serve(node, r, eff)
             elif t is SetTimer:
                 node.timer_at = eff.at
-                self.at(eff.at, self.fire_timer, (node, node.inc, eff.at))
+                self.at(eff.at - node.mono, self.fire_timer, (node, node.inc, eff.at))
+            elif t is ReportQuorum:
+                if eff.term != r.term or not leads(r) or eff.ok != r.has_quorum:
+                    self.fail(f"{node.name} reports quorum {eff} as {r.role} t{r.term} has_quorum={r.has_quorum}")
+                self.stats["quorum_regained" if eff.ok else "quorum_lost"] += 1
             elif t is ReportReady:
                 self.on_ready(node, r, eff.term)
             elif t is TransferReady:
@@ -630,7 +765,7 @@ class Sim:
                     self.stats["ops_entries_committed"] += 1
                 for rid in rids:
                     if rid in self.rid_seq:
-                        self.fail(f"rid {rid} committed twice: {self.rid_seq[rid]} and {s}")
+                        self.fail(f"exactly-once: rid {rid} committed twice: {self.rid_seq[rid]} and {s}")
                     self.rid_seq[rid] = s
                 if e.kind == "config":
                     self.meta_record_config(e)
@@ -697,14 +832,14 @@ class Sim:
         if (m.src, m.dst) in self.cut:
             return
         rng = self.rng
-        if not self.converging and rng.random() < self.p.loss:
+        if not self.calm and rng.random() < self.p.loss:
             return
         lo, hi = self.p.delay
         delay = rng.randint(lo, hi)
-        if rng.random() < self.p.tail:
+        if not self.calm and rng.random() < self.p.tail:
             delay += rng.randint(30, 150)
         self.at(self.now + delay, self.net_arrive, m)
-        if not self.converging and rng.random() < self.p.dup:
+        if not self.calm and rng.random() < self.p.dup:
             self.at(self.now + rng.randint(lo, 3 * hi), self.net_arrive, m)
 
     def net_arrive(self, m: Message) -> None:
@@ -721,16 +856,31 @@ class Sim:
         self.rng.shuffle(names)
         k = self.rng.randint(1, len(names) // 2)
         side = set(names[:k])
-        self.cut = {(a, b) for a in names for b in names if (a in side) != (b in side)}
-        self.log(f"PARTITION {sorted(side)} | rest")
-        self.at(self.now + self.rng.randint(50, 600), self.heal)
+        self.set_cut({(a, b) for a in names for b in names if (a in side) != (b in side)}, f"PARTITION {sorted(side)}")
+        self.at(self.now + self.rng.randint(50, 600), self.heal, self.cut_id)
 
     def isolate(self, name: str) -> None:
-        self.cut = {(a, b) for a in self.names for b in self.names if (a == name) != (b == name)}
-        self.log(f"ISOLATE {name}")
-        self.at(self.now + self.rng.randint(30, 300), self.heal)
+        if self.calm:
+            return
+        self.set_cut(self.cut_off(name, "both"), f"ISOLATE {name}")
+        self.at(self.now + self.rng.randint(30, 300), self.heal, self.cut_id)
 
-    def heal(self, _: Any = None) -> None:
+    def cut_off(self, name: str, way: str) -> set[tuple[str, str]]:
+        """The directed links to cut between `name` and everyone else: "both"
+        ways, "out" (it cannot send) or "in" (it cannot receive)."""
+        out = {(name, b) for b in self.names if b != name}
+        inn = {(a, name) for a in self.names if a != name}
+        return out | inn if way == "both" else out if way == "out" else inn
+
+    def set_cut(self, cut: set[tuple[str, str]], what: str) -> None:
+        self.cut = cut
+        self.cut_id += 1
+        self.log(what)
+
+    def heal(self, cut_id: int | None = None) -> None:
+        """Heal the cut `cut_id` (if it is still the current one), or any cut."""
+        if cut_id is not None and cut_id != self.cut_id:
+            return
         if self.cut:
             self.log("HEAL")
         self.cut = set()
@@ -752,7 +902,7 @@ class Sim:
         v = self.view()
         self.m_views.append(v)
         for n in self.names:
-            if self.converging or self.rng.random() > 0.15:
+            if self.calm or self.rng.random() > 0.15:
                 self.send_view(self.nodes[n], self.rng.randint(1, 40), v)
 
     def meta_cas(self, leader: str) -> None:
@@ -762,13 +912,13 @@ class Sim:
         self.log(f"META term {self.m_term} leader {leader}")
         self.stats["meta_cas"] += 1
         self.broadcast_view()
-        if not self.converging and self.rng.random() < self.p.nemesis:
+        if not self.calm and self.rng.random() < self.p.nemesis:
             # Failovers fail half-way in real life: the new leader is lost
             # while its adopted tail and term start are partly replicated.
             self.at(self.now + self.rng.randint(5, 80), self.strike, leader)
 
     def nemesis_roll(self, share: float) -> bool:
-        return bool(self.p.nemesis) and not self.converging and self.rng.random() < self.p.nemesis * share
+        return bool(self.p.nemesis) and not self.calm and self.rng.random() < self.p.nemesis * share
 
     def strike_after_append(self, r: Replica, p: Persist) -> bool:
         """Cut a leader off right after it appended, before it replicates:
@@ -780,7 +930,7 @@ class Sim:
         return kind == "op" and self.nemesis_roll(0.1)
 
     def strike(self, name: str) -> None:
-        if self.converging:
+        if self.calm:
             return
         node = self.nodes[name]
         if self.rng.random() < 0.5:
@@ -810,12 +960,48 @@ class Sim:
         for n in self.names:
             if rng.random() < 0.5:
                 self.send_view(self.nodes[n], rng.randint(1, 30))
-        if self.m_views and rng.random() < 0.2 and not self.converging:
+        if self.m_views and rng.random() < 0.2 and not self.calm:
             self.send_view(self.nodes[rng.choice(self.names)], rng.randint(1, 30), rng.choice(self.m_views))
         self.at(self.now + rng.randint(80, 200), self.meta_watch)
 
+    def meta_isolation(self) -> None:
+        """What meta's controller does about a live leader cut off from its
+        voters: the same rule (`isolation_evidence`), from what the replicas
+        would report now, with the same decision window."""
+        leader = self.m_leader
+        lease = self.p.cfg.lease_ms
+        if leader is None or (self.m_isolation_at is not None
+                              and self.now - self.m_isolation_at < ISOLATION_HOLD_LEASES * lease):
+            return
+        r = self.nodes[leader].replica
+        if r is None:
+            return  # silent: meta_failover's business
+        quorum = r.has_quorum if r.term == self.m_term and leads(r) else None
+        silence: dict[str, int | None] = {}
+        others = []
+        for v in self.m_voters:
+            node = self.nodes[v]
+            rv = node.replica
+            if v == leader or rv is None or rv.resyncing:
+                continue
+            others.append(v)
+            heard = rv.leader_heard_at
+            if rv.term == self.m_term and heard is not None:
+                silence[v] = self.clock(node) - heard
+        if len(others) < len(self.m_voters) // 2 + 1:
+            return
+        why = isolation_evidence(self.m_voters, leader, quorum, silence, lease)
+        if why is None:
+            return
+        self.log(f"META isolation: {why}")
+        self.stats["meta_isolation_failover"] += 1
+        self.m_isolation_at = self.now
+        self.meta_cas(max(others, key=self.log_position))
+
     def meta_failover(self) -> None:
         """What meta's controller does when the leader does not report."""
+        if self.quiet is not None:
+            return  # nobody is silent in a quiet window: only the isolation rule may act
         node = self.nodes.get(self.m_leader or "")
         r = node.replica if node else None
         healthy = r is not None and r.ready and r.term == self.m_term
@@ -863,7 +1049,7 @@ class Sim:
         batch = []
         for _ in range(self.rng.choice((1, 1, 1, 2, 3, 5))):
             i = self.new_id()
-            w = WriteOp(i, f"r{i}", i, ack)
+            w = WriteOp(i, f"r{i}", i, ack, first_sent=self.now)
             self.writes[i] = w
             batch.append(w)
         if len(batch) == 1:
@@ -889,10 +1075,28 @@ class Sim:
         self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, ClientWrite(req, w.value, w.ack, w.rid)))
         self.at(self.now + 1500, self.write_silence, (w, w.attempts))
 
+    def within_window(self, w: WriteOp) -> bool:
+        """May the client still retry `w` with its rid?  Only within the
+        dedup window of its first send (runbook/operations.md)."""
+        return self.now - w.first_sent < self.p.cfg.dedup_window_ms - RESEND_MARGIN_MS
+
     def write_silence(self, arg: tuple[WriteOp, int]) -> None:
         w, attempt = arg
-        if not w.done and w.attempts == attempt and attempt < 12:
+        if not w.done and w.attempts == attempt and attempt < 12 and self.within_window(w):
             self.send_write(w, self.pick_target())
+
+    def resend_acked(self) -> None:
+        """A client lost the response to an acknowledged write and re-sends
+        it with the same rid: it must be answered with the same seq and not
+        be applied again (the exactly-once checks in on_write_reply and
+        on_apply), whoever leads and whatever the clocks say."""
+        recent = [w for w in self.acked_ops[-50:] if self.within_window(w)]
+        if not recent:
+            return
+        w = self.rng.choice(recent)
+        self.resends.add((w.id, w.attempts + 1))
+        self.stats["resent_acked"] += 1
+        self.send_write(w, self.pick_target())
 
     def on_reply(self, node: Node, rep: Reply) -> None:
         kind, i, *_ = rep.req
@@ -921,13 +1125,17 @@ class Sim:
                               f"where the entry holds {self.C_rid[s]}")
                 prev = self.acked.setdefault(w.rid, s)
                 if prev != s:
-                    self.fail(f"{w.rid} acknowledged at {prev} and at {s}")
+                    self.fail(f"exactly-once: {w.rid} acknowledged at {prev} and at {s}")
+                if prev == s and not w.done:
+                    self.acked_ops.append(w)
+                if (w.id, rep.req[2]) in self.resends:
+                    self.stats["resent_answered_from_log"] += 1
                 if s > self.max_acked:
                     self.max_acked = s
             w.done = True
             w.seq = rep.seq
             return
-        if w.done or rep.req[2] != w.attempts or w.attempts >= 12:
+        if w.done or rep.req[2] != w.attempts or w.attempts >= 12 or not self.within_window(w):
             return
         if rep.error_code == "not_leader" and rep.leader in self.nodes and self.rng.random() < 0.8:
             target = self.nodes[rep.leader]
@@ -937,15 +1145,16 @@ class Sim:
 
     def client_read(self, strong: bool) -> None:
         i = self.new_id()
+        # Deadlines are on the serving node's clock (the shell computes them there).
         if strong:
             op = ReadOp(i, "strong", self.max_acked)
             node = self.pick_target()
-            ev = ClientRead(("r", i), "q", "strong", 0, self.now + 400)
+            ev = ClientRead(("r", i), "q", "strong", 0, self.clock(node) + 400)
         else:
             want = self.rng.randint(0, self.max_acked)
             op = ReadOp(i, "follower", want)
             node = self.nodes[self.rng.choice(self.names)]
-            ev = ClientRead(("r", i), "q", "follower", want, self.now + 400)
+            ev = ClientRead(("r", i), "q", "follower", want, self.clock(node) + 400)
         self.reads[i] = op
         self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, ev))
 
@@ -990,21 +1199,110 @@ class Sim:
         (2, "compact"),
     )
 
+    # What may still happen in a quiet window.
+    QUIET_ACTIONS = frozenset({"client_write", "strong_read", "follower_read", "compact"})
+
     def drive(self, _: Any) -> None:
         if self.converging:
             return
         rng = self.rng
-        x = rng.random() * 100
-        for weight, action in self.ACTIONS:
+        x = rng.random() * (100 + self.p.quiet_weight)
+        for weight, action in (*self.ACTIONS, (self.p.quiet_weight, "quiet_cut")):
             if x < weight:
-                getattr(self, action)()
+                if self.quiet is None or action in self.QUIET_ACTIONS:
+                    getattr(self, action)()
                 break
             x -= weight
-        if rng.random() < self.p.meta_rate:
+        if rng.random() < self.p.resend:
+            self.resend_acked()
+        if self.quiet is None and rng.random() < self.p.meta_rate:
             self.meta_cas(self.adversarial_pick(self.m_voters))
+        self.meta_isolation()
         self.meta_failover()
         lo, hi = self.p.step_ms
         self.at(self.now + rng.randint(lo, hi), self.drive)
+
+    def step_wall(self, _: Any) -> None:
+        """Somebody's wall clock steps (NTP, an operator): by minutes to the skew."""
+        node = self.nodes[self.rng.choice(self.names)]
+        jump = self.rng.randint(60_000, max(60_000, self.p.wall_skew_ms))
+        node.wall += jump if self.rng.random() < 0.5 else -jump
+        self.stats["wall_clock_stepped"] += 1
+        if not self.converging:
+            self.at(self.now + self.rng.randint(100, 600), self.step_wall)
+
+    # -- quiet windows: cuts on the leader, judged for availability --------
+
+    def availability_bound(self) -> int:
+        """How soon after a cut on the leader the other voters must have a
+        ready leader: check-quorum or the followers' silence (one lease, plus
+        a heartbeat for the evidence to form), meta's reaction (a driver
+        step), the new leader's Begin round and its term start committing
+        (a few message delays, retries), on a network without loss."""
+        c = self.p.cfg
+        return c.lease_ms + 2 * c.heartbeat_ms + 3 * c.retry_ms + 20 * self.p.delay[1] + 100
+
+    def quiet_cut(self) -> None:
+        leader = self.m_leader
+        r = self.nodes[leader].replica if leader else None
+        hold = ISOLATION_HOLD_LEASES * self.p.cfg.lease_ms
+        # (Three voters at least: then the others are a majority on their own.)
+        if (leader is None or r is None or not r.ready or r.term != self.m_term or not r.has_quorum
+                or len(self.m_voters) < 3
+                or r.transfer_target is not None or set(r.voters) != set(self.m_voters)
+                or any(self.nodes[v].replica is None or self.resyncing(v) for v in self.m_voters)
+                or (self.m_isolation_at is not None and self.now - self.m_isolation_at < hold)):
+            return
+        mode = self.rng.choice(("both", "out", "in", "flap"))
+        self.quiet, self.quiet_term, self.quiet_started = mode, self.m_term, self.now
+        self.stats[f"quiet_{mode}"] += 1
+        if mode == "flap":
+            # The link to whoever leads is cut and healed again and again.
+            duration = self.rng.randint(3, 5) * hold
+            self.quiet_until = self.now + duration
+            lease = self.p.cfg.lease_ms
+            self.flap((self.rng.randint(lease // 2, 2 * lease), True))
+        else:
+            bound = self.availability_bound()
+            self.set_cut(self.cut_off(leader, mode), f"QUIET cut {leader} ({mode})")
+            self.quiet_until = self.now + bound + self.rng.randint(50, 500)
+            self.at(self.now + bound, self.check_available, (leader, mode, bound))
+        self.at(self.quiet_until, self.end_quiet)
+
+    def flap(self, arg: tuple[int, bool]) -> None:
+        period, cut = arg
+        if self.quiet != "flap" or self.converging:
+            return
+        if cut and self.m_leader is not None:
+            self.set_cut(self.cut_off(self.m_leader, "both"), f"FLAP cut {self.m_leader}")
+        else:
+            self.heal()
+        self.at(self.now + period, self.flap, (period, not cut))
+
+    def check_available(self, arg: tuple[str, str, int]) -> None:
+        old, mode, bound = arg
+        if self.quiet != mode or self.converging:
+            return
+        ml = self.m_leader
+        r = self.nodes[ml].replica if ml is not None else None
+        if ml == old or r is None or not (r.ready and r.term == self.m_term and r.has_quorum):
+            self.fail(f"availability: {bound} ms after leader {old} was cut off ({mode}), the other voters "
+                      f"have no ready leader with a quorum: {self.status()}")
+        self.stats["availability_checked"] += 1
+
+    def end_quiet(self, _: Any) -> None:
+        if self.quiet is None:
+            return
+        if self.quiet == "flap" and not self.converging:
+            # A flapping link moves the leadership at most once per decision window.
+            window = ISOLATION_HOLD_LEASES * self.p.cfg.lease_ms
+            changes = self.m_term - self.quiet_term
+            allowed = (self.now - self.quiet_started) // window + 1
+            if changes > allowed:
+                self.fail(f"leadership flapped: {changes} changes in a flapping window (at most {allowed})")
+            self.stats["flap_checked"] += 1
+        self.quiet = None
+        self.heal()
 
     def strong_read(self) -> None:
         self.client_read(strong=True)
@@ -1060,6 +1358,7 @@ class Sim:
 
     def begin_convergence(self, _: Any) -> None:
         self.converging = True
+        self.quiet = None
         self.log("CONVERGE")
         self.heal()
         for n in self.names:
@@ -1070,6 +1369,7 @@ class Sim:
         self.at(self.now + 50, self.converge_tick)
 
     def converge_tick(self, _: Any) -> None:
+        self.meta_isolation()
         self.meta_failover()
         self.at(self.now + 50, self.converge_tick)
 

@@ -7,12 +7,13 @@ ordinary seeded simulation finds it among the first few hundred seeds.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import pytest
 
 from tests.tier1.replica_sim import SimViolation, run_seed
 from worker.dedup import DedupTable
-from worker.replica import Replica
+from worker.replica import Replica, _Leadership
 from worker.replica_msgs import Message, Persist, Send, SnapshotMeta
 
 BUDGET = 300
@@ -53,10 +54,30 @@ class ForgetsDedupInSnapshots(Replica):
         return dataclasses.replace(super()._snapshot_meta_at(seq, exact), dedup=())
 
 
-def first_failure(cls: type[Replica]) -> tuple[int, str] | None:
+class StampsWallClock(Replica):
+    """The design before log time: entries carry the leader's wall clock
+    (never going back along the log), so one leader whose clock runs fast
+    stamps an entry far ahead and dedup expiry forgets every request id."""
+
+    wall_clock: Callable[[], int] = staticmethod(lambda: 0)  # the simulation gives each node its own
+
+    def _next_ts(self) -> int:
+        last = self._log[-1].ts if self._log else self._dedup.newest_ts
+        return max(self.wall_clock(), last)
+
+
+class NoCheckQuorum(Replica):
+    """A leader that never notices it lost its followers: cut so that they
+    still hear it but it cannot hear them, it holds the group down."""
+
+    def _quorum_contact(self, lead: _Leadership) -> bool:
+        return True
+
+
+def first_failure(cls: type[Replica], profile: str | None = None) -> tuple[int, str] | None:
     for seed in range(BUDGET):
         try:
-            run_seed(seed, cls)
+            run_seed(seed, cls, profile=profile)
         except SimViolation as exc:
             return seed, str(exc)
     return None
@@ -64,11 +85,16 @@ def first_failure(cls: type[Replica]) -> tuple[int, str] | None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "cls",
-    [CountsOldTermEntries, SkipsBeginRound, AcksBeforePersist, ForgetsDedupInSnapshots],
-    ids=lambda c: c.__name__,
+    "cls, profile",
+    [(CountsOldTermEntries, None), (SkipsBeginRound, None), (AcksBeforePersist, None),
+     (ForgetsDedupInSnapshots, None), (StampsWallClock, "clocks"), (NoCheckQuorum, "isolation")],
+    ids=lambda c: c.__name__ if isinstance(c, type) else str(c),
 )
-def test_planted_bug_is_caught(cls: type[Replica]) -> None:
-    found = first_failure(cls)
+def test_planted_bug_is_caught(cls: type[Replica], profile: str | None) -> None:
+    found = first_failure(cls, profile)
     assert found is not None, f"{cls.__name__} survived {BUDGET} seeds"
     print(f"{cls.__name__}: seed {found[0]}: {found[1]}")
+    if cls is StampsWallClock:
+        assert "exactly-once" in found[1], found[1]
+    if cls is NoCheckQuorum:
+        assert "availability" in found[1], found[1]

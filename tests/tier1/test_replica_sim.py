@@ -63,5 +63,13 @@ def test_runs_exercise_the_protocol() -> None:
         "snapshot_taken",
         "commit_from_heartbeat",
         "announce_behind",
+        "quorum_lost",
+        "quorum_regained",
+        "meta_isolation_failover",
+        "availability_checked",
+        "flap_checked",
+        "resent_acked",
+        "resent_answered_from_log",
+        "wall_clock_stepped",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"
