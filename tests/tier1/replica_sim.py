@@ -302,7 +302,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
         return Params(
             nodes=rng.choice((3, 3, 5)),
             voters=3,
-            chaos_ms=rng.randint(4000, 6000),
+            chaos_ms=rng.randint(5000, 8000),
             step_ms=(4, 16),
             delay=(1, rng.choice((5, 15))),
             tail=rng.choice((0.0, 0.05)),
@@ -325,7 +325,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             ),
             profile=profile,
             resend=0.05,
-            quiet_weight=3.0,
+            quiet_weight=6.0,
         )
     if profile == "failover":
         return Params(
@@ -1246,9 +1246,13 @@ class Sim:
         leader = self.m_leader
         r = self.nodes[leader].replica if leader else None
         hold = ISOLATION_HOLD_LEASES * self.p.cfg.lease_ms
-        # (Three voters at least: then the others are a majority on their own.)
+        # Three voters at least (then the others are a majority on their own),
+        # each within one Append of the leader's commit (the bound has no room
+        # for a long catch-up).
         if (leader is None or r is None or not r.ready or r.term != self.m_term or not r.has_quorum
                 or len(self.m_voters) < 3
+                or any((rv := self.nodes[v].replica) is None or rv.last_seq < r.commit_seq - self.p.cfg.max_batch_entries
+                       for v in self.m_voters)
                 or r.transfer_target is not None or set(r.voters) != set(self.m_voters)
                 or any(self.nodes[v].replica is None or self.resyncing(v) for v in self.m_voters)
                 or (self.m_isolation_at is not None and self.now - self.m_isolation_at < hold)):
@@ -1258,7 +1262,7 @@ class Sim:
         self.stats[f"quiet_{mode}"] += 1
         if mode == "flap":
             # The link to whoever leads is cut and healed again and again.
-            duration = self.rng.randint(3, 5) * hold
+            duration = self.rng.randint(2, 3) * hold
             self.quiet_until = self.now + duration
             lease = self.p.cfg.lease_ms
             self.flap((self.rng.randint(lease // 2, 2 * lease), True))
