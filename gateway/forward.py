@@ -37,8 +37,9 @@ from multidict import CIMultiDictProxy
 from prometheus_client import Counter, Gauge
 
 from gateway.calls import WorkerCalls
-from gateway.router import (MIN_ATTEMPT_S, WORKER_MARGIN_S, AttemptBudget, Hint, Next, RetryState, RoutingTable,
-                            Target, accept_hint, after_reply, attempt_budget, backoff_s, give_up, prune_hints)
+from gateway.router import (MIN_ATTEMPT_S, NO_QUORUM, WORKER_MARGIN_S, AttemptBudget, Hint, Next, RetryState,
+                            RoutingTable, Target, accept_hint, after_reply, attempt_budget, backoff_s, give_up,
+                            prune_hints)
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
@@ -670,9 +671,10 @@ class Forwarder:
                 continue
             if not reply.ok:
                 nxt = self._after_error(st, reply, gid, target, write=True)
-                if nxt is Next.DONE:
+                if nxt is Next.DONE or nxt is Next.GIVE_UP:
+                    body = reply.body if nxt is Next.DONE else self._give_up(st, True, gid).body()
                     for i in pending:
-                        results[i] = reply.body
+                        results[i] = body
                     break
                 await self._retry_pause(st, nxt, remaining)
                 continue
@@ -697,7 +699,9 @@ class Forwarder:
                     r = item_reply(raw, target, gid)
                     if not r.ok:
                         nxt = self._after_error(st, r, gid, target, write=True)
-                        if nxt is Next.DONE:
+                        if nxt is Next.GIVE_UP:
+                            results[i] = self._give_up(st, True, gid).body()
+                        elif nxt is Next.DONE:
                             body = r.body
                             if isinstance(body, dict) and isinstance(body.get("error"), dict):
                                 body["error"].setdefault("shard", gid)
@@ -755,6 +759,8 @@ class Forwarder:
                 nxt = Next.BACKOFF if self._cycle_done(gid, st) else Next.RETRY
             if nxt is Next.DONE:
                 return reply
+            if nxt is Next.GIVE_UP:
+                raise self._give_up(st, write, gid)
             await self._retry_pause(st, nxt, remaining)
 
     def _pick(self, gid: int, follower: bool, index: int) -> Target | None:
@@ -827,20 +833,31 @@ class Forwarder:
     def _after_error(self, st: RetryState, reply: WorkerReply, gid: int, target: Target, write: bool) -> Next:
         err = reply.error
         st.last_term = reply.term if reply.term is not None else st.last_term
-        hinted_other = False
+        hinted_other = moved = False
+        reason = err.get("reason") if isinstance(err.get("reason"), str) else None
         if reply.code == "not_leader":
             self.cache.apply_hint(gid, err.get("leader"), err.get("term"))
             now = self.cache.leader_target(gid)
             hinted_other = now is not None and now.wid != target.wid
             st.last_leader = err.get("leader") if isinstance(err.get("leader"), str) else st.last_leader
-        nxt = after_reply(reply.code, write, hinted_other)
+        elif reply.code == "unavailable" and reason == NO_QUORUM:
+            # Meta may have named another leader already (the old one answers
+            # until it hears so); if not, ask it now for the next request.
+            now = self.cache.leader_target(gid)
+            moved = now is not None and (now.wid != target.wid or now.term > target.term)
+            if not moved:
+                self.cache.nudge()
+            st.last_leader = target.wid
+        nxt = after_reply(reply.code, write, hinted_other, reason, moved)
         if nxt is not Next.DONE:
             if reply.code == "quorum_timeout" or (write and err.get("maybe_applied") is True):
                 st.maybe_applied = True
             elif reply.code == "deadline_exceeded":
                 st.timed_out = True
-            st.last_problem = f"{target.wid} answered {reply.code}"
-            self.metrics.retries.labels(str(reply.code)).inc()
+            st.last_reason = reason
+            st.last_problem = f"{target.wid} answered {reply.code}" + (f" ({reason})" if reason else "")
+            if nxt is not Next.GIVE_UP:
+                self.metrics.retries.labels(str(reason or reply.code)).inc()
         return nxt
 
     async def _retry_pause(self, st: RetryState, nxt: Next, remaining: float) -> None:

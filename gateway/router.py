@@ -29,6 +29,13 @@ answers at once (`give_up`):
 * a read whose attempt timed out -> 504 `deadline_exceeded`;
 * otherwise nothing was applied (no leader, connection refused, `not_leader`,
   `unavailable`) -> 503 `unavailable` with `retry-after`.
+
+A leader that refuses with `unavailable` for `no_quorum` (check-quorum: it
+cannot reach a majority of its group) is the one refusal that waiting does
+not cure within a request: meta moves the leadership a lease or more later,
+or never (a majority lost). So the request goes to the new leader if meta
+has named one already, and otherwise gets that answer at once (`give_up`,
+with `reason: no_quorum`) instead of a 503 or 504 at its deadline.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ BACKOFF_FIRST_S = 0.005
 BACKOFF_MAX_S = 0.100
 RETRY_AFTER_S = 1  # the `retry-after` of gateway 503s (whole seconds, as HTTP wants)
 DEFAULT_DEADLINE_MS = 5000  # before the first routing table names settings.deadline_ms
+NO_QUORUM = "no_quorum"  # the `reason` of a worker's `unavailable` from check-quorum
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +87,17 @@ class Next(enum.Enum):
     RETRY = "retry"  # retry at once (same request id)
     BACKOFF = "backoff"  # pause (or until the table changes), then retry
     REFRESH = "refresh"  # ask meta for a fresh view, pause, then retry
+    GIVE_UP = "give_up"  # stop now with the gateway's own answer (`give_up`)
 
 
-def after_reply(code: str | None, write: bool, hinted_other: bool) -> Next:
+def after_reply(code: str | None, write: bool, hinted_other: bool, reason: str | None = None,
+                moved: bool = False) -> Next:
     """What to do with a worker's answer (`code` None = success).
 
     `hinted_other`: a `not_leader` named a worker other than the one we asked,
     so retrying at once goes somewhere new; naming itself means "leading soon".
+    `reason`: the error's reason; `moved`: the table names another leader (or
+    a newer term) than the worker that answered.
     """
     if code is None:
         return Next.DONE
@@ -96,6 +108,8 @@ def after_reply(code: str | None, write: bool, hinted_other: bool) -> Next:
     if code == "deadline_exceeded" and not write:
         return Next.RETRY
     if code == "unavailable":
+        if reason == NO_QUORUM:
+            return Next.RETRY if moved else Next.GIVE_UP
         return Next.REFRESH  # the group failed or is shutting down on that worker
     return Next.DONE  # 4xx and anything else are the answer
 
@@ -111,17 +125,22 @@ class RetryState:
     last_problem: str = "no attempt was possible"
     last_term: int | None = None
     last_leader: str | None = None
+    last_reason: str | None = None  # of the last refusal, when it gave one
 
 
 def give_up(state: RetryState, write: bool, shard: int | None) -> ApiError:
     """The gateway's own answer when the budget is spent (see the module docstring)."""
     ctx: dict[str, Any] = {"shard": shard, "term": state.last_term, "leader": state.last_leader,
-                           "attempts": state.attempts}
+                           "attempts": state.attempts, "reason": state.last_reason}
     if write and state.maybe_applied:
         return ApiError("quorum_timeout", "the write was not acknowledged within the deadline; its outcome is "
                         f"unknown: retry with the same x-request-id ({state.last_problem})", **ctx)
     if not write and state.timed_out:
         return ApiError("deadline_exceeded", f"no answer within the deadline ({state.last_problem})", **ctx)
+    if state.last_reason == NO_QUORUM:
+        return ApiError("unavailable", f"nothing was applied: shard {shard}'s leader {state.last_leader} cannot reach a "
+                        "majority of its replicas (no quorum); meta moves the leadership when the other replicas can "
+                        "form one: retry later", **ctx)
     return ApiError("unavailable", "nothing was applied: no leader could take the request within the "
                     f"deadline ({state.last_problem}); retry later", **ctx)
 

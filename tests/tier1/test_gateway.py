@@ -251,6 +251,75 @@ async def test_a_leader_gone_mid_write_is_outcome_unknown_only_when_it_says_so(
     assert f.workers["A"].calls
 
 
+def no_quorum(gid: int, leader: str, term: int = 1) -> Answer:
+    status, body = err("unavailable", gid, leader=leader, term=term, message="no quorum")
+    body["error"]["reason"] = "no_quorum"
+    return status, body
+
+
+async def test_a_leader_without_quorum_is_a_prompt_503(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    """Waiting does not cure it within a request (meta moves the leader a lease
+    later, or never): the client hears at once, with the reason."""
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+
+    async def refuse(call: Call) -> Answer:
+        return no_quorum(call.gid, "A")
+
+    f.workers["A"].on = refuse
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    for method, path in (("PUT", "/items/k"), ("GET", "/items/k")):
+        t0 = time.monotonic()
+        resp = await client.request(method, path, data=b"{}" if method == "PUT" else None,
+                                    headers={"x-deadline-ms": "3000"})
+        elapsed = time.monotonic() - t0
+        error = (await resp.json())["error"]
+        assert resp.status == 503 and resp.headers["retry-after"] == "1", error
+        assert error["code"] == "unavailable" and error["reason"] == "no_quorum" and error["leader"] == "A"
+        assert "nothing was applied" in error["message"] and "no quorum" in error["message"]
+        assert elapsed < 1.0, elapsed  # not at the 3 s deadline
+    assert len(f.workers["A"].calls) == 2
+    resp = await client.post("/batch", data=orjson.dumps({"writes": [{"op": "put_item", "id": "k", "doc": 1}]}),
+                             headers={"x-deadline-ms": "3000"})
+    item = (await resp.json())["results"][0]
+    assert item["error"]["code"] == "unavailable" and item["error"]["reason"] == "no_quorum"
+
+
+async def test_a_write_that_may_have_applied_is_504_when_the_leader_then_lacks_quorum(
+        aiohttp_server: Any, aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    answers = [err("quorum_timeout", 0, leader="A", term=1), no_quorum(0, "A")]
+
+    async def script(call: Call) -> Answer:
+        return answers.pop(0) if answers else no_quorum(call.gid, "A")
+
+    f.workers["A"].on = script
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "3000", "x-request-id": "r"})
+    error = (await resp.json())["error"]
+    assert resp.status == 504 and error["code"] == "quorum_timeout" and "outcome is unknown" in error["message"]
+    assert [c.body["rid"] for c in f.workers["A"].calls] == ["r", "r"]
+
+
+async def test_a_leader_without_quorum_is_left_for_the_one_meta_names(aiohttp_server: Any,
+                                                                        aiohttp_client: Any) -> None:
+    """The old leader still answers (no_quorum) after meta moved the group:
+    the gateway goes to the new one at once, with the same request id
+    (whether meta's watch or the answer reaches it first)."""
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+
+    async def refuse_after_move(call: Call) -> Answer:
+        f.meta.set_leader(0, "B", 2)  # meta moves it while A answers
+        await asyncio.sleep(0.05)  # (the gateway's watch hears of it meanwhile)
+        return no_quorum(call.gid, "A")
+
+    f.workers["A"].on = refuse_after_move
+    resp = await client.put("/items/k", data=b'{"v": 1}', headers={"x-deadline-ms": "3000", "x-request-id": "r1"})
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["x-served-by"] == "B"
+    assert [c.body["rid"] for c in f.workers["A"].calls + f.workers["B"].calls] == ["r1", "r1"]
+
+
 async def test_search_merges_top_k_across_groups(aiohttp_server: Any, aiohttp_client: Any) -> None:
     f = await make_fakes(aiohttp_server, shards=3)
     f.workers["w1"].search_hits[0] = [{"id": "a", "score": 0.9}, {"id": "d", "score": 0.5}, {"id": "g", "score": 0.1}]

@@ -73,6 +73,9 @@ def test_reply_policy() -> None:
     assert after_reply("quorum_timeout", True, False) is Next.RETRY
     assert after_reply("deadline_exceeded", False, False) is Next.RETRY
     assert after_reply("unavailable", False, False) is Next.REFRESH
+    # A leader without quorum: the new leader if meta named one, else answer now.
+    assert after_reply("unavailable", True, False, "no_quorum", moved=True) is Next.RETRY
+    assert after_reply("unavailable", True, False, "no_quorum", moved=False) is Next.GIVE_UP
     for code in ("bad_request", "not_found", "internal"):
         assert after_reply(code, True, False) is Next.DONE
 
@@ -85,6 +88,10 @@ def test_give_up_codes() -> None:
     e = give_up(RetryState(attempts=3, last_leader="w2", last_term=4), True, 2)
     assert e.status == 503 and e.body()["error"] | {"message": ""} == {
         "code": "unavailable", "message": "", "shard": 2, "term": 4, "leader": "w2", "attempts": 3}
+    e = give_up(RetryState(attempts=1, last_leader="w2", last_reason="no_quorum"), True, 2)
+    assert e.code == "unavailable" and e.context["reason"] == "no_quorum" and "no quorum" in e.message
+    e = give_up(RetryState(attempts=2, last_reason="no_quorum", maybe_applied=True), True, 2)
+    assert e.code == "quorum_timeout"
 
 
 def test_merge_top_k_orders_by_score_then_id() -> None:
