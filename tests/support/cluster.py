@@ -7,6 +7,7 @@ a `finally`, so a failing or timed-out test leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import urllib.error
@@ -87,6 +88,9 @@ class Cluster:
     advertise: dict[str, str] = field(default_factory=dict)
     # Worker id -> source IP of its outgoing connections (for address-based partitions).
     source: dict[str, str] = field(default_factory=dict)
+    # Worker id -> environment variables added to its own (e.g. LD_PRELOAD and
+    # FAKETIME for a skewed clock); every start and restart of it gets them.
+    worker_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, root: Path, n_meta: int = 3, n_workers: int = 3, n_gateways: int = 0) -> "Cluster":
@@ -188,7 +192,8 @@ class Cluster:
         for wid, _, _ in self.workers:
             if ids is None or wid in ids:
                 child = self._worker_child(wid)
-                child.start()
+                extra = self.worker_env.get(wid)
+                child.start({**os.environ, **extra} if extra else None)
                 self.children[wid] = child
 
     def start_gateways(self) -> None:
