@@ -31,6 +31,9 @@ the scenario's directions.
                     the history is complete and linearizable and group 0
                     changed leader (meta's term, polled every 100 ms) at most
                     20 s // --window + 1 times (4 with the default 6 s window).
+  flapping-slow     the same with 2.5 s cuts and 1 s heals: each cut outlasts
+                    the lease (1.5 s), so each would move the leadership but
+                    for the controller's decision window (4 leases = 6 s).
 """
 from __future__ import annotations
 
@@ -436,7 +439,9 @@ def run_flapping(root: Path, out: dict[str, Any], window: float, duration: float
         c.close()
 
 
-SCENARIOS = [DEFAULT_SCENARIO, *CUTS, "flapping"]
+# Flapping scenarios: (cut, heal) in seconds.
+FLAPS = {"flapping": (1.0, 1.0), "flapping-slow": (2.5, 1.0)}
+SCENARIOS = [DEFAULT_SCENARIO, *CUTS, *FLAPS]
 
 
 def main() -> int:
@@ -456,8 +461,9 @@ def main() -> int:
         return 0 if out["ok"] else 1
     out = {"scenario": args.scenario}
     try:
-        if args.scenario == "flapping":
-            run_flapping(Path(args.root), out, window=args.window)
+        if args.scenario in FLAPS:
+            cut_s, heal_s = FLAPS[args.scenario]
+            run_flapping(Path(args.root), out, window=args.window, cut_s=cut_s, heal_s=heal_s)
         else:
             run_isolated_leader(Path(args.root), args.scenario, out)
     except AssertionError as exc:
