@@ -481,8 +481,8 @@ class MetaServer:
                     quorum=_opt_bool(rep.get("quorum")),
                     leader_silence_ms=_opt_int(rep.get("leader_silence_ms")))
         except (TypeError, ValueError, AttributeError):
-            raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied") \
-                from None
+            raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
+                           "quorum true/false/null and leader_silence_ms an integer or null") from None
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")

@@ -125,7 +125,11 @@ async def test_register_and_heartbeat_validation(api: TestClient) -> None:
     assert hb.status == 400
     hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {}, "boot": 7})
     assert hb.status == 400 and "boot" in (await hb.json())["error"]["message"]
-    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, "last_term": 1, "last_seq": 4}},
+    for bad in ({"quorum": "yes"}, {"leader_silence_ms": "long"}):
+        hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, **bad}}})
+        assert hb.status == 400 and "quorum" in (await hb.json())["error"]["message"]
+    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, "last_term": 1, "last_seq": 4,
+                                                                            "quorum": None, "leader_silence_ms": 250}},
                                                           "boot": "b1"})
     assert hb.status == 200
     view = await (await api.get("/v1/cluster")).json()

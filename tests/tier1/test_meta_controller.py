@@ -1,7 +1,8 @@
 """The controller's failover decision (a pure function)."""
 from __future__ import annotations
 
-from meta.controller import REBALANCE_AFTER_MS, GroupReport, SetLeader, SoftState, StartTransfer, decide, rebalance
+from meta.controller import (BOOTSTRAP_GRACE_MS, ISOLATION_HOLD_LEASES, REBALANCE_AFTER_MS, GroupReport, SetLeader,
+                             SoftState, StartTransfer, decide, rebalance)
 from meta.state import GroupRecord
 
 LEASE = 1500
@@ -264,3 +265,108 @@ def test_one_move_at_a_time_lowest_group_first() -> None:
         soft.heard_from(wid, now, reps, LEASE)
     assert rebalance(gs, soft, now, LEASE) == [StartTransfer(group=0, leader="w2", target="w1")]
     assert rebalance(gs, soft, now, LEASE, busy=frozenset({0})) == [StartTransfer(group=2, leader="w2", target="w3")]
+
+
+# -- an isolated leader (check-quorum) ---------------------------------------------------------
+
+
+def isolation_soft(now: int, leader_quorum: bool | None = True, silence: dict[str, int | None] | None = None,
+                   seen: dict[str, int] | None = None, last: dict[str, tuple[int, int]] | None = None) -> SoftState:
+    """Everyone heard from at `now`; group 0 led by w1 (term 5), with w1's
+    quorum verdict and the followers' silence on it as given."""
+    soft = SoftState(leader_since_ms=0)
+    silence = silence or {}
+    last = last or {}
+    for wid in ("w1", "w2", "w3"):
+        role = "leader" if wid == "w1" else "follower"
+        t, s = last.get(wid, (5, 100))
+        rep = GroupReport(term=5, role=role, last_term=t, last_seq=s, quorum=leader_quorum if wid == "w1" else None,
+                          leader_silence_ms=None if wid == "w1" else silence.get(wid, 10))
+        soft.heard_from(wid, (seen or {}).get(wid, now), {0: rep})
+    return soft
+
+
+def one_group() -> list[GroupRecord]:
+    return [GroupRecord(id=0, term=5, leader="w1", voters=["w1", "w2", "w3"], preferred_leader="w1", ready_term=5)]
+
+
+def test_a_leader_that_reports_no_quorum_is_failed_over_to_the_most_up_to_date_follower() -> None:
+    now = 60_000
+    soft = isolation_soft(now, leader_quorum=False, last={"w2": (5, 90), "w3": (5, 99)})
+    (action,) = decide(one_group(), soft, now, LEASE)
+    assert (action.group, action.leader, action.expect_term, action.cause) == (0, "w3", 5, "isolated")
+    assert "reports no round trip with a majority" in action.reason
+
+
+def test_a_majority_silent_on_a_leader_that_still_claims_its_quorum_fails_it_over() -> None:
+    """A wedged leader (its group loop stuck, its heartbeats to meta going on)
+    reports a stale verdict; its followers' silence gives it away. The
+    silence grows by the age of each report."""
+    now = 60_000
+    soft = isolation_soft(now, silence={"w2": LEASE - 200, "w3": LEASE}, seen={"w2": now - 200, "w3": now})
+    (action,) = decide(one_group(), soft, now, LEASE)
+    assert action.cause == "isolated" and "w2, w3 have not heard from leader w1" in action.reason
+
+
+def test_a_partitioned_follower_changes_nothing() -> None:
+    now = 60_000
+    soft = isolation_soft(now, silence={"w3": 10 * LEASE})
+    assert decide(one_group(), soft, now, LEASE) == []
+
+
+def test_no_isolation_move_when_the_others_are_no_majority_on_their_own() -> None:
+    now = 60_000
+    # w3 is silent to meta (dead): w2 alone cannot lead a group of three.
+    soft = isolation_soft(now, leader_quorum=False, seen={"w3": now - LEASE - 1})
+    assert decide(one_group(), soft, now, LEASE) == []
+    # w3 re-syncs: it may not lead or vote either.
+    soft = isolation_soft(now, leader_quorum=False)
+    soft.workers["w3"].groups[0] = GroupReport(term=5, role="follower", resyncing=True)
+    assert decide(one_group(), soft, now, LEASE) == []
+
+
+def test_reports_from_another_term_are_no_evidence() -> None:
+    now = 60_000
+    soft = isolation_soft(now, silence={"w2": 10 * LEASE, "w3": 10 * LEASE})
+    for wid in ("w2", "w3"):
+        rep = soft.workers[wid].groups[0]
+        soft.workers[wid].groups[0] = GroupReport(term=4, role="follower", last_term=5, last_seq=100,
+                                                  leader_silence_ms=rep.leader_silence_ms)
+    assert decide(one_group(), soft, now, LEASE) == []
+
+
+def test_an_isolation_move_is_held_for_its_decision_window() -> None:
+    now = 60_000
+    soft = isolation_soft(now, leader_quorum=False)
+    soft.isolation_moved_ms[0] = now - ISOLATION_HOLD_LEASES * LEASE + 1
+    assert decide(one_group(), soft, now, LEASE) == []
+    assert decide(one_group(), soft, now + 1, LEASE)[0].cause == "isolated"
+
+
+def test_a_new_group_gets_the_bootstrap_grace_before_an_isolation_move() -> None:
+    gs = one_group()
+    gs[0].ready_term = 0
+    soft = isolation_soft(BOOTSTRAP_GRACE_MS - 1, leader_quorum=False)
+    assert decide(gs, soft, BOOTSTRAP_GRACE_MS - 1, LEASE) == []
+    soft = isolation_soft(BOOTSTRAP_GRACE_MS, leader_quorum=False)
+    assert decide(gs, soft, BOOTSTRAP_GRACE_MS, LEASE)[0].cause == "isolated"
+
+
+def test_balance_leaves_a_group_moved_for_isolation_and_a_preferred_leader_that_cannot_hear() -> None:
+    now = 60_000
+    gs = one_group()
+    gs[0].leader = "w2"
+    soft = isolation_soft(now, silence={"w1": 10})
+    soft.workers["w1"].groups[0] = GroupReport(term=5, role="follower", last_term=5, last_seq=100,
+                                               leader_silence_ms=10)
+    soft.workers["w2"].groups[0] = GroupReport(term=5, role="leader", last_term=5, last_seq=100, commit=100,
+                                               quorum=True)
+    for w in soft.workers.values():
+        w.up_since_ms = 0
+    assert rebalance(gs, soft, now, LEASE) == [StartTransfer(0, "w2", "w1")]
+    soft.isolation_moved_ms[0] = now - REBALANCE_AFTER_MS + 1
+    assert rebalance(gs, soft, now, LEASE) == []
+    del soft.isolation_moved_ms[0]
+    soft.workers["w1"].groups[0] = GroupReport(term=5, role="follower", last_term=5, last_seq=100,
+                                               leader_silence_ms=LEASE)
+    assert rebalance(gs, soft, now, LEASE) == []
