@@ -84,6 +84,10 @@ class WorkerNode:
                               ("applied", "applied seq"), ("lag", "commit - applied"),
                               ("is_leader", "1 when this replica is the ready leader"),
                               ("in_flight", "client requests waiting"),
+                              ("has_quorum", "0 while this replica leads without a round trip with a majority of its "
+                                             "voters within lease_ms (check-quorum), else 1"),
+                              ("leader_silence_ms", "ms since this non-leader last heard from its term's leader "
+                                                    "(0 while leading)"),
                               ("write_latency_p99_ms", "p99 of recent acknowledged writes (ms)"))
         }
         # Disk stalls show here first: every write of every group waits on these.
@@ -239,6 +243,8 @@ class WorkerNode:
             for key in ("term", "last_seq", "commit", "applied", "lag", "in_flight"):
                 self._gauges[key].labels(g).set(rep[key])
             self._gauges["is_leader"].labels(g).set(1 if rep["ready"] else 0)
+            self._gauges["has_quorum"].labels(g).set(1 if rep["quorum"] else 0)
+            self._gauges["leader_silence_ms"].labels(g).set(rep["leader_silence_ms"] or 0)
             self._gauges["write_latency_p99_ms"].labels(g).set(rep["latency_p99_ms"])
 
     def group_reports(self) -> dict[str, dict[str, Any]]:

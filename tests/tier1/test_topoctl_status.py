@@ -60,3 +60,20 @@ def test_status_says_so_when_no_replica_has_a_problem_and_when_it_cannot_know() 
     # A meta follower's view carries no heartbeat reports: that is "unknown", not "healthy".
     blind = render_status(_with_reports({"w1": ..., "w2": ...}))
     assert "replica health unknown" in blind and "no replica problems" not in blind
+
+
+def test_status_shows_a_leader_without_quorum_and_replicas_cut_off_from_their_leader() -> None:
+    st = _with_reports({
+        "w1": {"groups": {"0": {**_healthy(), "role": "leader", "quorum": False, "no_quorum_ms": 2300},
+                          "1": {**_healthy(), "leader_silence_ms": 40, "leader": "w2"}}},
+        "w2": {"groups": {"0": {**_healthy(), "leader": "w1", "leader_silence_ms": 3800},
+                          "1": {**_healthy(), "role": "leader", "quorum": True, "no_quorum_ms": None}}},
+        "w3": {"groups": {"0": {**_healthy(), "leader": "w1", "leader_silence_ms": 1499}}},
+    })
+    st["topology"]["settings"] = {"lease_ms": 1500}
+    lines = render_status(st).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("REPLICA PROBLEMS"))
+    rows = [line.split(None, 3) for line in lines[start + 1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("w1", "0", "no-quorum"), ("w2", "0", "cut-off")]
+    assert "no round trip with a majority of its voters for 2300 ms" in rows[0][3]
+    assert rows[1][3] == "has not heard from its leader w1 (term 3) for 3800 ms"

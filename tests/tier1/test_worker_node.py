@@ -67,3 +67,56 @@ async def test_the_round_counters_on_metrics_are_the_ones_the_benchmark_reads(tm
     finally:
         await node.meta.close()
         await node.transport.close()
+
+
+async def test_a_lost_quorum_is_heartbeated_to_meta_at_once(tmp_path: Path) -> None:
+    """Meta fails an isolated leader over on its report: it must not wait a report interval."""
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
+                      structlog.get_logger())
+    await node.meta.close()
+    fake = _FakeMeta()
+    node.meta = fake  # type: ignore[assignment]
+    node.registered = True
+    beats = asyncio.create_task(node._heartbeat())
+    try:
+        for _ in range(100):
+            if fake.calls.count("heartbeat") == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert fake.calls.count("heartbeat") == 1
+        node.report_quorum(0, 3, False)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while fake.calls.count("heartbeat") < 2:
+            assert loop.time() - t0 < 0.1, "the report waited for the next interval (0.3 s)"
+            await asyncio.sleep(0.005)
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        await node.transport.close()
+
+
+async def test_check_quorum_gauges(tmp_path: Path) -> None:
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
+                      structlog.get_logger())
+
+    class _Shell:
+        def __init__(self, **rep: Any) -> None:
+            self.rep = {"term": 3, "last_seq": 9, "commit": 9, "applied": 9, "lag": 0, "in_flight": 0, "ready": False,
+                        "latency_p99_ms": 0.0, **rep}
+
+        def report(self) -> dict[str, Any]:
+            return self.rep
+
+    try:
+        node.groups = {0: _Shell(ready=True, quorum=False, leader_silence_ms=None),  # type: ignore[dict-item]
+                       1: _Shell(quorum=True, leader_silence_ms=2750)}
+        node.update_gauges()
+        text = generate_latest(node.metrics.registry).decode()
+        assert 'shardgrid_group_has_quorum{group="0"} 0.0' in text
+        assert 'shardgrid_group_has_quorum{group="1"} 1.0' in text
+        assert 'shardgrid_group_leader_silence_ms{group="1"} 2750.0' in text
+        assert 'shardgrid_group_leader_silence_ms{group="0"} 0.0' in text
+    finally:
+        await node.meta.close()
+        await node.transport.close()
