@@ -21,6 +21,7 @@ import pytest
 from tests.support.cluster import Cluster, free_ports, http_json, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
+from topology.routing import shard_for
 
 pytestmark = pytest.mark.tier3
 
@@ -243,13 +244,36 @@ def test_7_majority_crash_fails_cleanly_then_recovers(cluster: Cluster) -> None:
         load.wait_more(40, timeout=60)
         codes = {k for k, v in load.gen.result.errors.items() if v}
         assert codes <= {"unavailable", "quorum_timeout", "deadline_exceeded"}, codes
+        # Once check-quorum has spoken (a lease on w1's own groups, a failover and a
+        # lease on the others), every shard answers at once: 503, no quorum, nothing applied.
+        gw = c.gateways[0]
+        keys = {}
+        for i in range(1000):
+            keys.setdefault(shard_for(f"mq-{i}", 3), f"mq-{i}")
+
+        def prompt_no_quorum(key: str) -> float | None:
+            t0 = time.monotonic()
+            code, body = http_json("PUT", f"http://{gw}/items/{key}", {"v": 1}, timeout=5,
+                                   headers={"x-deadline-ms": "3000"})
+            took = time.monotonic() - t0
+            err = body.get("error", {}) if isinstance(body, dict) else {}
+            return took if code == 503 and err.get("reason") == "no_quorum" and took < 1.0 else None
+
+        wait_until(lambda: all(prompt_no_quorum(k) is not None for k in keys.values()), 20.0,
+                   "every shard to answer a prompt 503 (no quorum) with two of three replicas gone")
+        clean_at = time.monotonic() - down_at
+        before = dict(load.gen.result.errors)
+        load.wait_more(60, timeout=30)
+        since = {k: v - before.get(k, 0) for k, v in load.gen.result.errors.items() if v > before.get(k, 0)}
+        assert set(since) == {"unavailable"}, f"errors after the no-quorum verdict: {since}"
         c.start_workers(["w2", "w3"])
         c.wait_groups_ready(timeout=30)
         wait_until(lambda: load.acked() > acked_at_crash + 100, 30.0, "writes to resume after the restart")
         outage = time.monotonic() - down_at
     finally:
         result = load.finish()
-    judge(c, result, "majority-crash", f"outage={outage:.1f}s errors={dict(result.errors)}")
+    judge(c, result, "majority-crash", f"outage={outage:.1f}s prompt_503_after={clean_at:.1f}s "
+                                       f"errors={dict(result.errors)}")
 
 
 def test_4_slow_follower_and_flapping_link(tmp_path: Path) -> None:
