@@ -51,6 +51,7 @@ from typing import Any, Callable
 from tests.support.cluster import Cluster, MetaSpec, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
+from shardgrid.topoctl import replica_problems
 from tests.tier3.test_chaos import GROUPS, Background
 from topology.routing import shard_for
 
@@ -295,6 +296,15 @@ def run_isolated_leader(root: Path, scenario: str, out: dict[str, Any]) -> None:
                 took, g = seen["failover"]
                 out.update(failover_s=round(took, 2), new_leader=g["leader"], new_term=g["term"])
                 load.wait_more(300)  # the new leader serves under the partition
+                if scenario != "asymmetric-out":  # (there the old leader still hears the new one)
+                    # What an operator sees: topoctl status lists the old leader as cut off.
+                    def shown() -> list[tuple[str, str, str, str]] | None:
+                        rows = [p for p in (replica_problems(c.view()) or []) if p[:2] == (victim, "0")]
+                        return rows or None
+                    try:
+                        out["status_shows"] = wait_until(shown, 5.0, "", interval=0.1)
+                    except AssertionError:
+                        failed.append(f"topoctl status does not list {victim} as cut off from group 0's leader")
             else:
                 g = c.view()["groups"]["0"]
                 out.update(failover_s=None, view_at_end_of_cut={k: g[k] for k in ("leader", "term", "ready")})
