@@ -70,6 +70,7 @@ DOWNLOAD_CHUNK = 1 << 20
 # the catch-up; a replica already downloading ignores the repeats.
 SNAPSHOT_RETRY_MS = 1000
 _CORE_DEFAULTS = m.ReplicaConfig()
+MIN_HEARTBEAT_MS = 20  # however short a lease the topology sets: an idle group must not spin
 
 
 def now_ms() -> int:
@@ -294,8 +295,9 @@ class GroupShell:
                                                lease_ms=self.settings.lease_ms,
                                                # Several round trips per lease, so one lost
                                                # heartbeat does not cost the quorum.
-                                               heartbeat_ms=min(_CORE_DEFAULTS.heartbeat_ms,
-                                                                self.settings.lease_ms // 3),
+                                               heartbeat_ms=max(MIN_HEARTBEAT_MS,
+                                                                min(_CORE_DEFAULTS.heartbeat_ms,
+                                                                    self.settings.lease_ms // 3)),
                                                snapshot_retry_ms=SNAPSHOT_RETRY_MS,
                                                snapshot_every=self._snapshot_after,
                                                op_weight=self.plugin.weight), stored)

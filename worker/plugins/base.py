@@ -11,7 +11,7 @@ The contract, which every implementation must keep:
 
 * **Determinism.** `apply` is a pure function of (state, op, ctx). Every
   replica applies the same committed ops in the same order and must end in the
-  same state, bit for bit: no clock (use `ctx.ts_ms`, the leader's stamp),
+  same state, bit for bit: no clock (use `ctx.ts_ms`, the entry's log time),
   no randomness, no I/O, no iteration over anything whose order is not itself
   determined by the ops (e.g. set order, object ids).
 * **Atomic apply.** `apply` either applies the whole op or raises (BadOp)
@@ -96,8 +96,12 @@ class SnapshotError(PluginError, RuntimeError):
 class ApplyContext:
     """What the log entry says about an op, beyond the op itself.
 
-    `ts_ms` is the leader's wall clock stamped on the entry when it was
-    appended: the only notion of time a plugin may use (TTLs, expiry).
+    `ts_ms` is the group's log time stamped on the entry when it was
+    appended: the only notion of time a plugin may use (TTLs, expiry). It
+    is ms of leadership carried from leader to leader on their monotonic
+    clocks (worker/replica.py, "Log time"): it never goes back and never
+    runs faster than real time, and it is NOT a wall clock (it falls behind
+    one by every failover gap, and a new group starts at 0).
     """
 
     seq: int
