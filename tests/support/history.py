@@ -8,10 +8,11 @@ be merged) and outcome:
     "ok"       acknowledged; `result` holds what was returned (the item read,
                the counter's total after an increment, the counter read)
     "fail"     definitely not applied (a documented definite error, see
-               `outcome_for_error`)
+               `outcome_for_error`: bad_request, not_found, unauthorized,
+               unavailable)
     "unknown"  may or may not have taken effect (quorum_timeout,
-               deadline_exceeded, unavailable, connection errors, and every
-               operation that never completed because the test ended)
+               deadline_exceeded, connection errors, and every operation that
+               never completed because the test ended)
 
 A read that answers `not_found` is an "ok" read with result None: for a
 register, not-found *is* the value (the initial state).
@@ -52,13 +53,19 @@ Outcome = Literal["ok", "fail", "unknown"]
 _KINDS = ("write", "read", "incr")
 _OUTCOMES = ("ok", "fail", "unknown")
 
-# Error codes after which the request certainly had no effect: they are
-# answered before anything is proposed to a group. Everything else
-# (quorum_timeout, deadline_exceeded, unavailable, not_leader that escaped the
-# gateway's retries, a code we do not know, a dropped connection) may have
+# Error codes after which the request certainly had no effect. bad_request,
+# not_found and unauthorized are answered before anything is proposed to a
+# group. unavailable (503) is the gateway's promise that nothing was applied
+# (gateway/router.py, `give_up`): a write any of whose attempts may have
+# applied is answered 504 quorum_timeout instead, and a worker's refusal with
+# not_leader or unavailable appends nothing. So a write or increment answered
+# unavailable whose effect shows up later is a phantom or a counter anomaly.
+# Everything else (quorum_timeout, deadline_exceeded, not_leader that escaped
+# the gateway's retries, a code we do not know, a dropped connection) may have
 # been applied, so it is "unknown" — calling it "fail" would turn a correct
-# cluster's late apply into a false phantom.
-DEFINITE_ERRORS = frozenset({"bad_request", "not_found", "unauthorized"})
+# cluster's late apply into a false phantom. Reads are judged only when
+# acknowledged, so a read's error outcome does not matter.
+DEFINITE_ERRORS = frozenset({"bad_request", "not_found", "unauthorized", "unavailable"})
 
 # Violation kinds (Violation.kind). Tests and reports match on these.
 LOST_WRITE = "lost_write"

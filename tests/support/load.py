@@ -149,7 +149,9 @@ class LoadGenerator:
         status, answer = await self._call(session, "POST", "/batch", body, uuid.uuid4().hex, client)
         results = answer.get("results") if status == 200 and isinstance(answer, dict) else None
         if not isinstance(results, list) or len(results) != len(keys):
-            results = [answer] * len(keys)  # the whole request failed: its outcome is every write's
+            # The whole request failed: its outcome is every write's (no answer,
+            # status 0, stays unknown; so does a 200 without a result per write).
+            results = [answer if status != 200 else None] * len(keys)
         for op, k, v, r in zip(ops, keys, values, results):
             err = r.get("error") if isinstance(r, dict) else None
             if status == 200 and isinstance(r, dict) and err is None:
@@ -158,6 +160,8 @@ class LoadGenerator:
             else:
                 if isinstance(err, dict):
                     self.result.errors[str(err.get("code"))] += 1
+                # A per-item error of a 200 is judged by its code like a whole
+                # request's (unavailable: definitely not applied).
                 h.complete(op, self._outcome(r, status if status != 200 else 500))
             written.append(k)
 

@@ -100,8 +100,32 @@ def test_history_records_from_asyncio_tasks() -> None:
 def test_outcome_for_error() -> None:
     assert outcome_for_error("bad_request") == "fail"
     assert outcome_for_error("not_found") == "fail"
-    for code in ("quorum_timeout", "deadline_exceeded", "unavailable", "not_leader", "whatever", None):
+    # The gateway's 503: nothing was applied (gateway/router.py, give_up).
+    assert outcome_for_error("unavailable") == "fail"
+    for code in ("quorum_timeout", "deadline_exceeded", "not_leader", "whatever", None):
         assert outcome_for_error(code) == "unknown"
+
+
+def test_write_answered_unavailable_that_appears_is_a_violation() -> None:
+    # 503 unavailable promises that nothing was applied: a value it carried
+    # that shows up later (read back, or in the final state) is a phantom,
+    # and an increment it refused that got counted is one too many.
+    outcome = outcome_for_error("unavailable")
+    w = W(1, "k", "k:ab12", 0.0, 1.0, outcome)
+    r = R(2, "k", "k:ab12", 2.0, 3.0)
+    report = check_acknowledged([w, r], {"k": "k:ab12"}, {})
+    [phantom] = report.phantom_values
+    assert "failed definitely" in phantom.message and phantom.ops == (w,)
+    [bad_read] = check_linearizable([w, r]).of(READ_UNWRITTEN_VALUE)
+    assert "failed definitely" in bad_read.message
+    # Absent, it is fine.
+    assert check_acknowledged([w], {}, {}).ok
+    incrs = [I(1, "c", 0.0, 1.0, 1), I(2, "c", 2.0, 3.0, None, outcome)]
+    assert check_acknowledged(incrs, {}, {"c": 1}).ok
+    assert kinds(check_acknowledged(incrs, {}, {"c": 2})) == {DUPLICATE_APPLY}
+    # The old rule (unavailable = unknown) let both pass.
+    lenient = [W(1, "k", "k:ab12", 0.0, 1.0, "unknown"), r]
+    assert check_acknowledged(lenient, {"k": "k:ab12"}, {}).ok and check_linearizable(lenient).ok
 
 
 # --------------------------------------------------------------------------- acknowledged
