@@ -32,14 +32,19 @@ class _FakeMeta:
         pass
 
 
-async def test_a_worker_heartbeats_before_it_opens_any_group(tmp_path: Path) -> None:
-    """A slow starter used to report its first group ready before its first heartbeat:
-    meta took it for silent and failed that group over at once."""
+async def _with_fake_meta(tmp_path: Path) -> tuple[WorkerNode, _FakeMeta]:
     node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
                       structlog.get_logger())
     await node.meta.close()
     fake = _FakeMeta()
     node.meta = fake  # type: ignore[assignment]
+    return node, fake
+
+
+async def test_a_worker_heartbeats_before_it_opens_any_group(tmp_path: Path) -> None:
+    """A slow starter used to report its first group ready before its first heartbeat:
+    meta took it for silent and failed that group over at once."""
+    node, fake = await _with_fake_meta(tmp_path)
     watch = asyncio.create_task(node._watch())
     try:
         for _ in range(200):
@@ -71,11 +76,7 @@ async def test_the_round_counters_on_metrics_are_the_ones_the_benchmark_reads(tm
 
 async def test_a_lost_quorum_is_heartbeated_to_meta_at_once(tmp_path: Path) -> None:
     """Meta fails an isolated leader over on its report: it must not wait a report interval."""
-    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
-                      structlog.get_logger())
-    await node.meta.close()
-    fake = _FakeMeta()
-    node.meta = fake  # type: ignore[assignment]
+    node, fake = await _with_fake_meta(tmp_path)
     node.registered = True
     beats = asyncio.create_task(node._heartbeat())
     try:

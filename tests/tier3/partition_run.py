@@ -323,22 +323,38 @@ def run_isolated_leader(root: Path, scenario: str, out: dict[str, Any]) -> None:
                         st = c.worker_status(victim)["groups"]["0"]
                         failed.append(f"old leader {victim} did not step down within 15 s of the heal "
                                       f"(it reports term {st['term']} role {st['role']}; meta's term is {new_term})")
-                wait_until(lambda: acks.first(healed), 20.0, "writes to shard 0 after the heal")
-                out["resume_after_heal_s"] = round(acks.first(healed) - healed, 2)  # type: ignore[operator]
-                load.wait_more(200)
-                recovered = True
+                recovered = writes_resume(load, acks, healed, "heal", out, failed)
             except AssertionError as exc:
                 failed.append(f"after the heal: {exc}")
         finally:
             unblock()
             result = load.finish()
-        if recovered:
-            judge_history(c, result, out, failed)
-        else:
-            out.update(summary=result.summary(), errors=dict(result.errors))
-            failed.append("history not judged: the cluster did not recover after the heal")
+        judge_if_recovered(c, result, recovered, "heal", out, failed)
     finally:
         c.close()
+
+
+def writes_resume(load: Background, acks: "ShardAcks", since: float, what: str, out: dict[str, Any],
+                  failed: list[str]) -> bool:
+    """Writes to shard 0 are acknowledged again after `since` (the end of the
+    fault), and the load goes on: True, with the delay in `out`."""
+    try:
+        wait_until(lambda: acks.first(since), 20.0, f"writes to shard 0 after the {what}")
+    except AssertionError as exc:
+        failed.append(f"after the {what}: {exc}")
+        return False
+    out[f"resume_after_{what}_s"] = round(acks.first(since) - since, 2)  # type: ignore[operator]
+    load.wait_more(200)
+    return True
+
+
+def judge_if_recovered(c: Cluster, result: LoadResult, recovered: bool, what: str, out: dict[str, Any],
+                       failed: list[str]) -> None:
+    if recovered:
+        judge_history(c, result, out, failed)
+    else:
+        out.update(summary=result.summary(), errors=dict(result.errors))
+        failed.append(f"history not judged: the cluster did not recover after the {what}")
 
 
 class TermPoller(threading.Thread):
@@ -431,20 +447,13 @@ def run_flapping(root: Path, out: dict[str, Any], window: float, duration: float
             recovered = False
             try:
                 c.wait_groups_ready(timeout=30)
-                wait_until(lambda: acks.first(end), 20.0, "writes to shard 0 after the flapping")
-                out["resume_after_flapping_s"] = round(acks.first(end) - end, 2)  # type: ignore[operator]
-                load.wait_more(200)
-                recovered = True
+                recovered = writes_resume(load, acks, end, "flapping", out, failed)
             except AssertionError as exc:
                 failed.append(f"after the flapping: {exc}")
         finally:
             unblock()
             result = load.finish()
-        if recovered:
-            judge_history(c, result, out, failed)
-        else:
-            out.update(summary=result.summary(), errors=dict(result.errors))
-            failed.append("history not judged: the cluster did not recover after the flapping")
+        judge_if_recovered(c, result, recovered, "flapping", out, failed)
     finally:
         c.close()
 
