@@ -1070,6 +1070,8 @@ class Sim:
         self.stats["write_batches"] += 1
 
     def send_write(self, w: WriteOp, node: Node) -> None:
+        if w.attempts and not self.within_window(w):
+            return  # a retry is sent only within the window (decided when it leaves, not when planned)
         w.attempts += 1
         req = ("w", w.id, w.attempts)
         self.at(self.now + self.rng.randint(1, 5), lambda _: self.deliver(node, ClientWrite(req, w.value, w.ack, w.rid)))
