@@ -102,6 +102,7 @@ class GroupReport:
     # and a non-leader's time since it last heard from its term's leader.
     quorum: bool | None = None
     leader_silence_ms: int | None = None
+    unheard: tuple[str, ...] = ()  # a leader's voters without an answer within the lease
 
 
 @dataclass
@@ -207,15 +208,18 @@ def heard_live(soft: SoftState, worker: str, now_ms: int, lease_ms: int) -> bool
 
 
 def failover_candidate(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int,
-                       include_leader: bool = False, heard_only: bool = False) -> str | None:
+                       include_leader: bool = False, heard_only: bool = False,
+                       among: frozenset[str] | None = None) -> str | None:
     """The live voter that should lead `group`, or None when none is live.
 
     The current leader competes only when it merely restarted. `heard_only`
-    leaves out voters given the post-election grace without a heartbeat."""
+    leaves out voters given the post-election grace without a heartbeat;
+    `among`, when given, is where the candidates must come from."""
     live = heard_live if heard_only else is_live
     best: tuple[tuple[int, int], int, str] | None = None
     for voter in group.voters:
-        if (voter == group.leader and not include_leader) or not live(soft, voter, now_ms, lease_ms):
+        if (voter == group.leader and not include_leader) or not live(soft, voter, now_ms, lease_ms) \
+                or (among is not None and voter not in among):
             continue
         seen = soft.workers.get(voter)
         report = seen.groups.get(group.id) if seen is not None else None
@@ -245,24 +249,43 @@ def restarted_leader(report: GroupReport, group: GroupRecord) -> bool:
     return report.term == group.term and report.role in ("follower", "learner")
 
 
+@dataclass(frozen=True)
+class Isolation:
+    """Why a live leader should be replaced, and where its successor must come from."""
+
+    reason: str
+    among: frozenset[str] | None  # None: any live voter but the leader
+
+
 def isolation_evidence(voters: Sequence[str], leader: str, leader_quorum: bool | None,
-                       silence_ms: Mapping[str, int | None], lease_ms: int) -> str | None:
-    """Why `leader` is cut off from its group's voters, or None.
+                       silence_ms: Mapping[str, int | None], lease_ms: int,
+                       leader_unheard: Sequence[str] = ()) -> Isolation | None:
+    """Whether `leader` is cut off from its group's voters: why, and where a
+    successor must come from; None when it is not.
 
     `leader_quorum` is the leader's own check-quorum at the group's term
-    (None: unknown); `silence_ms` maps each other voter to how long it has
-    not heard from that leader at that term (None or absent: unknown). Pure
-    and shared with the replication simulation (tests/tier1/replica_sim.py).
+    (None: unknown), and `leader_unheard` the voters it has had no answer
+    from; `silence_ms` maps each other voter to how long it has not heard
+    from that leader at that term (None or absent: unknown). When the voters
+    on the far side of the cut (unheard by the leader, or silent on it) are a
+    majority, the successor is one of them: a voter the leader still hears is
+    on its side (five voters split {L, D} | {A, B, C}: D may hold L's newest
+    tail, and leading, it could not gather a majority either). Pure and
+    shared with the replication simulation (tests/tier1/replica_sim.py).
     """
-    if leader_quorum is False:
-        return f"leader {leader} reports no round trip with a majority of its voters within {lease_ms} ms"
+    majority = len(voters) // 2 + 1
     silent = sorted(v for v in voters if v != leader and (silence_ms.get(v) or 0) >= lease_ms)
-    if len(silent) >= len(voters) // 2 + 1:
-        return f"voters {', '.join(silent)} have not heard from leader {leader} for {lease_ms} ms"
+    far = set(silent) | (set(leader_unheard) - {leader} if leader_quorum is False else set())
+    among = frozenset(far) if len(far) >= majority else None
+    if leader_quorum is False:
+        return Isolation(f"leader {leader} reports no round trip with a majority of its voters within {lease_ms} ms",
+                         among)
+    if among is not None:
+        return Isolation(f"voters {', '.join(silent)} have not heard from leader {leader} for {lease_ms} ms", among)
     return None
 
 
-def isolated_leader(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int) -> str | None:
+def isolated_leader(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int) -> Isolation | None:
     """Why the group's live leader should be replaced for isolation, or None.
 
     Judged from this meta leader's reports at the group's current term: a
@@ -279,7 +302,9 @@ def isolated_leader(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: 
     if group.ready_term == 0 and now_ms - soft.leader_since_ms < BOOTSTRAP_GRACE_MS:
         return None  # a new group's voters may still be starting
     lead = report_of(soft, leader, group.id)
-    leader_quorum = lead.quorum if lead is not None and lead.term == group.term else None
+    current = lead is not None and lead.term == group.term
+    leader_quorum = lead.quorum if current else None
+    unheard = lead.unheard if current else ()
     silence: dict[str, int | None] = {}
     others = 0
     for v in group.voters:
@@ -294,7 +319,7 @@ def isolated_leader(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: 
             silence[v] = rep.leader_silence_ms + (now_ms - seen.last_seen_ms)
     if others < len(group.voters) // 2 + 1:
         return None
-    return isolation_evidence(group.voters, leader, leader_quorum, silence, lease_ms)
+    return isolation_evidence(group.voters, leader, leader_quorum, silence, lease_ms, unheard)
 
 
 def report_of(soft: SoftState, worker: str | None, group: int) -> GroupReport | None:
@@ -439,7 +464,7 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
             isolated = isolated_leader(group, soft, now_ms, lease_ms)
             if isolated is None:
                 continue
-            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True)
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=isolated.among)
         elif not judge_silence:
             continue
         else:
@@ -449,7 +474,7 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         if group.leader is None:
             reason, cause = "leader_unassigned", "unassigned"
         elif isolated is not None:
-            reason, cause = isolated, "isolated"
+            reason, cause = isolated.reason, "isolated"
         elif restarted:
             reason, cause = f"leader {group.leader} holds term {group.term} as a follower (restarted)", "restarted"
         elif lead_report is not None and lead_report.resyncing:

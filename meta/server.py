@@ -479,6 +479,7 @@ class MetaServer:
                     failed=_failed_of(rep),
                     write_rate=float(rep.get("write_rate", 0) or 0),
                     quorum=_opt_bool(rep.get("quorum")),
+                    unheard=tuple(str(v) for v in rep.get("unheard") or ()),
                     leader_silence_ms=_opt_int(rep.get("leader_silence_ms")))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "

@@ -816,6 +816,7 @@ class GroupShell:
             # Check-quorum, for meta's controller and operators: a leader's
             # quorum (and for how long it has lacked one), a follower's silence.
             "quorum": r.has_quorum, "no_quorum_ms": now - lost if lost is not None else None,
+            "unheard": list(r.unheard_voters),
             "leader_silence_ms": now - heard if heard is not None else None,
             "last_term": r.last_term, "last_seq": r.last_seq, "commit": r.commit_seq, "applied": r.applied_seq,
             "lag": max(0, r.commit_seq - r.applied_seq), "writes": self.latency.writes,

@@ -242,6 +242,7 @@ class _Leadership:
     # Check-quorum: False while no majority has answered within lease_ms.
     quorum_ok: bool = True
     quorum_lost_at: int | None = None
+    fetch_heard_at: int = 0  # the fetch source's last answer (FETCH)
     retry_at: int = 0
     promised: dict[str, tuple[int, int]] = field(default_factory=dict)
     fetch_src: str = ""
@@ -372,6 +373,20 @@ class Replica:
         """False while this replica leads without round trips with a majority
         of its voters within lease_ms (check-quorum); True otherwise."""
         return self._lead is None or self._lead.quorum_ok
+
+    @property
+    def unheard_voters(self) -> tuple[str, ...]:
+        """The voters a leader has had no answer from within lease_ms (while it
+        collects promises: those that have not promised); () when not leading.
+        Meta picks a successor among them: they are the far side of a cut."""
+        lead = self._lead
+        if lead is None:
+            return ()
+        if lead.phase in (_BEGIN, _FETCH):
+            return tuple(v for v in lead.begin_to if v not in lead.promised)
+        now, lease = self._now, self._cfg.lease_ms
+        return tuple(v for v in self._config().voters
+                     if v != self._id and ((pr := lead.progress.get(v)) is None or now - pr.heard_at >= lease))
 
     @property
     def quorum_lost_at(self) -> int | None:
@@ -520,14 +535,17 @@ class Replica:
 
     def _quorum_contact(self, lead: _Leadership) -> bool:
         """Has this leader heard from a majority of its voters within lease_ms?"""
-        now, lease = self._now, self._cfg.lease_ms
         if lead.phase == _BEGIN:
-            return now - lead.started_at < lease
+            return self._now - lead.started_at < self._cfg.lease_ms
         if lead.phase == _FETCH:
-            # A majority promised; the fetch goes to one of them.  A source
-            # that stops answering shows in its followers' silence instead.
+            # A majority promised; the fetch goes to one of them, and a source
+            # silent for a lease sends us back to BEGIN (_on_tick).
             return True
-        voters = self._config().voters
+        return self._contact_majority(lead, self._config().voters)
+
+    def _contact_majority(self, lead: _Leadership, voters: Sequence[str]) -> bool:
+        """Did a majority of `voters` (we count if we are one) answer within lease_ms?"""
+        now, lease = self._now, self._cfg.lease_ms
         fresh = 0
         for v in voters:
             if v == self._id:
@@ -825,6 +843,7 @@ class Replica:
             self._start_replicating()
             return
         lead.phase = _FETCH
+        lead.fetch_heard_at = self._now
         lead.fetch_src = best
         lead.fetch_goal = (bt, bs)
         lead.fetch_prev = self._find_conflict_by_term(bs, bt)
@@ -881,6 +900,7 @@ class Replica:
             or m.prev_term != (self.term_at(m.prev_seq) or 0)
         ):
             return  # not the answer to our current question
+        lead.fetch_heard_at = self._now
         if m.ok:
             if not m.entries and m.prev_seq < lead.fetch_goal[1]:
                 self._restart_begin()  # the source no longer has the log it promised
@@ -1117,6 +1137,8 @@ class Replica:
         lead = self._lead
         if lead is None or m.term != self._term:
             return
+        if lead.phase == _FETCH and m.src == lead.fetch_src and m.commit is None:
+            lead.fetch_heard_at = self._now  # still there (a snapshot download answers nothing else)
         if lead.round_inflight and m.round >= lead.read_round and m.src in self._config().voters:
             lead.round_acks.add(m.src)
             self._check_read_round()
@@ -1223,6 +1245,7 @@ class Replica:
         if lead is not None and m.term == self._term:
             # Our fetch source has compacted what we lack.
             if lead.phase == _FETCH and m.src == lead.fetch_src:
+                lead.fetch_heard_at = self._now
                 self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
                 lead.retry_at = self._now + self._cfg.snapshot_retry_ms
             return
@@ -1308,10 +1331,26 @@ class Replica:
             return NOT_LEADER, lead.transfer.target
         return None
 
+    def _refuse_write(self, req: Any, rid: str | None, refusal: tuple[str, str | None]) -> None:
+        """Refuse a write.  Without a quorum, a rid the group already knows is
+        answered as what it is, never as "nothing applied": applied (its seq;
+        committed, whoever leads next) or in the log (QUORUM_TIMEOUT: it may
+        still commit).  A client re-sending after a lost answer must not be
+        told that an applied write failed."""
+        if refusal[0] == NO_QUORUM and rid is not None:
+            done = self._dedup.lookup(rid)
+            if done is not None:
+                self._out.append(Reply(req, True, done, self._term, None, self._id, self._index_of(rid, done)))
+                return
+            if rid in self._pending_rids:
+                self._reply_error(req, QUORUM_TIMEOUT, self._id)
+                return
+        self._reply_error(req, *refusal)
+
     def _on_client_write(self, w: ClientWrite) -> None:
         refusal = self._write_refusal()
         if refusal is not None:
-            self._reply_error(w.req, *refusal)
+            self._refuse_write(w.req, w.rid, refusal)
             return
         if w.rid is not None:
             done = self._dedup.lookup(w.rid)
@@ -1329,8 +1368,8 @@ class Replica:
     def _on_client_write_many(self, w: ClientWriteMany) -> None:
         refusal = self._write_refusal()
         if refusal is not None:
-            for req in w.reqs:
-                self._reply_error(req, *refusal)
+            for req, rid in zip(w.reqs, w.rids or (None,) * len(w.reqs)):
+                self._refuse_write(req, rid, refusal)
             return
         rids = w.rids or (None,) * len(w.ops)
         fresh: list[tuple[Any, Any, str | None]] = []
@@ -1543,6 +1582,9 @@ class Replica:
             or t.target not in self._config().voters
         ):
             return
+        pr = lead.progress.get(t.target)
+        if pr is None or self._now - pr.heard_at >= self._cfg.lease_ms:
+            return  # it cannot answer us: waiting for it would only hold writes up
         lead.transfer = _Transfer(t.target, self._now + self._cfg.transfer_timeout_ms)
         self._replicate(t.target)
 
@@ -1564,6 +1606,13 @@ class Replica:
 
     def _on_change_membership(self, c: ChangeMembership) -> None:
         refusal = self._write_refusal()
+        lead = self._lead
+        if (refusal is not None and refusal[0] == NO_QUORUM and c.remove is not None and lead is not None
+                and lead.phase == _READY and lead.transfer is None
+                and self._contact_majority(lead, tuple(v for v in self._config().voters if v != c.remove))):
+            # Removing the voter we cannot hear is what gives us a quorum
+            # back (a config entry takes effect when appended).
+            refusal = None
         if refusal is not None:
             self._reply_error(c.req, *refusal)
             return
@@ -1670,11 +1719,23 @@ class Replica:
         lead = self._lead
         now = self._now
         if lead is not None:
+            if lead.phase in (_BEGIN, _FETCH) and now >= lead.next_heartbeat:
+                # Voters that promised (or have yet to) hear from us while we
+                # collect promises or fetch a long log: they must not report
+                # us silent to meta.  commit=0 tells them nothing else.
+                for peer in lead.begin_to:
+                    self._send(Heartbeat(src=self._id, dst=peer, group=self._group, term=self._term, commit=0,
+                                         round=0))
+                lead.next_heartbeat = now + self._cfg.heartbeat_ms
             if lead.phase == _BEGIN:
                 if now >= lead.retry_at:
                     self._send_begins()
             elif lead.phase == _FETCH:
-                if now >= lead.retry_at:
+                if now - lead.fetch_heard_at >= self._cfg.lease_ms:
+                    # The source is gone: ask a majority again (any majority's
+                    # best log will do; what was fetched so far stays).
+                    self._restart_begin()
+                elif now >= lead.retry_at:
                     self._send_fetch()
             else:
                 self._tick_leader(lead)
@@ -1714,6 +1775,9 @@ class Replica:
                 times.append(lost_at)
             if lead.phase in (_BEGIN, _FETCH):
                 times.append(lead.retry_at)
+                times.append(lead.next_heartbeat)
+                if lead.phase == _FETCH:
+                    times.append(lead.fetch_heard_at + self._cfg.lease_ms)
             else:
                 times.append(lead.next_heartbeat)
                 if lead.notice_at is not None:
@@ -1737,8 +1801,6 @@ class Replica:
 
     def _settle(self) -> None:
         lead = self._lead
-        if lead is not None:
-            self._check_quorum(lead)
         if lead is not None and lead.phase in (_STARTING, _READY):
             self._advance_commit()
             if lead.phase == _STARTING and self._commit >= lead.term_start_seq:
@@ -1752,6 +1814,9 @@ class Replica:
             # while our commit is ahead of what it knows: no Append is coming.
             quiet = [pr.told_at for pr in lead.progress.values() if self._lags_commit(pr)]
             lead.notice_at = min(quiet) + self._cfg.commit_notice_ms if quiet else None
+        if lead is not None:
+            # After the commit moved: what this call committed is answered as done.
+            self._check_quorum(lead)
         self._serve_reads()
         self._maybe_compact()
         self._record_commit()

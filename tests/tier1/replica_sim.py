@@ -299,9 +299,10 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
         )
     if profile == "isolation":
         hb = rng.choice((20, 50))
+        nodes = rng.choice((3, 3, 5))
         return Params(
-            nodes=rng.choice((3, 3, 5)),
-            voters=3,
+            nodes=nodes,
+            voters=nodes if rng.random() < 0.5 else 3,
             chaos_ms=rng.randint(5000, 8000),
             step_ms=(4, 16),
             delay=(1, rng.choice((5, 15))),
@@ -990,13 +991,15 @@ class Sim:
                 silence[v] = self.clock(node) - heard
         if len(others) < len(self.m_voters) // 2 + 1:
             return
-        why = isolation_evidence(self.m_voters, leader, quorum, silence, lease)
+        why = isolation_evidence(self.m_voters, leader, quorum, silence, lease,
+                                 r.unheard_voters if quorum is not None else ())
         if why is None:
             return
         self.log(f"META isolation: {why}")
         self.stats["meta_isolation_failover"] += 1
         self.m_isolation_at = self.now
-        self.meta_cas(max(others, key=self.log_position))
+        among = [v for v in others if why.among is None or v in why.among]
+        self.meta_cas(max(among, key=self.log_position))
 
     def meta_failover(self) -> None:
         """What meta's controller does when the leader does not report."""
@@ -1259,7 +1262,8 @@ class Sim:
                 or any(self.nodes[v].replica is None or self.resyncing(v) for v in self.m_voters)
                 or (self.m_isolation_at is not None and self.now - self.m_isolation_at < hold)):
             return
-        mode = self.rng.choice(("both", "out", "in", "flap"))
+        modes = ("both", "out", "in", "flap") + (("split", "split") if len(self.m_voters) >= 5 else ())
+        mode = self.rng.choice(modes)
         self.quiet, self.quiet_term, self.quiet_started = mode, self.m_term, self.now
         self.stats[f"quiet_{mode}"] += 1
         if mode == "flap":
@@ -1268,6 +1272,16 @@ class Sim:
             self.quiet_until = self.now + duration
             lease = self.p.cfg.lease_ms
             self.flap((self.rng.randint(lease // 2, 2 * lease), True))
+        elif mode == "split":
+            # The leader keeps one voter, the one with the newest log (it may
+            # hold the leader's unreplicated tail): the rest are a majority.
+            ally = max((v for v in self.m_voters if v != leader), key=self.log_position)
+            side = {leader, ally}
+            bound = self.availability_bound()
+            self.set_cut({(a, b) for a in self.names for b in self.names if (a in side) != (b in side)},
+                         f"QUIET split {sorted(side)} | rest")
+            self.quiet_until = self.now + bound + self.rng.randint(50, 500)
+            self.at(self.now + bound, self.check_available, (leader, mode, bound))
         else:
             bound = self.availability_bound()
             self.set_cut(self.cut_off(leader, mode), f"QUIET cut {leader} ({mode})")
@@ -1291,10 +1305,16 @@ class Sim:
             return
         ml = self.m_leader
         r = self.nodes[ml].replica if ml is not None else None
-        if ml == old or r is None or not (r.ready and r.term == self.m_term and r.has_quorum):
+        if ml == old or r is None or not (r.ready and r.term == self.m_term and r.has_quorum) \
+                or not self.connected_majority(ml):
             self.fail(f"availability: {bound} ms after leader {old} was cut off ({mode}), the other voters "
                       f"have no ready leader with a quorum: {self.status()}")
         self.stats["availability_checked"] += 1
+
+    def connected_majority(self, name: str) -> bool:
+        """Do a majority of meta's voters (`name` included) reach `name` both ways?"""
+        ok = [v for v in self.m_voters if v == name or ((name, v) not in self.cut and (v, name) not in self.cut)]
+        return 2 * len(ok) > len(self.m_voters)
 
     def end_quiet(self, _: Any) -> None:
         if self.quiet is None:

@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.forward import (LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, AttemptFailed, GatewayMetrics,
-                             GroupCaller, QueuedWrites, WorkerReply, _expire, take_call)
-from gateway.router import AttemptBudget, Target
+from gateway.forward import (LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, AttemptFailed, Forwarder,
+                             GatewayMetrics, GroupCaller, QueuedWrites, WorkerReply, _expire, take_call)
+from gateway.router import AttemptBudget, Next, RetryState, Target
 from shardgrid.gctune import GATEWAY_YOUNG, tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
@@ -318,6 +318,66 @@ async def test_a_leader_without_quorum_is_left_for_the_one_meta_names(aiohttp_se
     assert resp.status == 200, await resp.text()
     assert resp.headers["x-served-by"] == "B"
     assert [c.body["rid"] for c in f.workers["A"].calls + f.workers["B"].calls] == ["r1", "r1"]
+
+
+class _Cache:
+    """What Forwarder._after_error asks of the route cache."""
+
+    def __init__(self, leader: Target) -> None:
+        self.leader = leader
+        self.nudges = 0
+
+    def leader_target(self, gid: int) -> Target:
+        return self.leader
+
+    def nudge(self) -> None:
+        self.nudges += 1
+
+    def apply_hint(self, gid: int, leader: Any, term: Any) -> None:
+        raise AssertionError("a no_quorum refusal carries no hint")
+
+
+@pytest.mark.parametrize("table, expect", [
+    (Target("B", "http://b", 2), Next.RETRY),     # meta named another worker: go there
+    (Target("A", "http://a", 2), Next.RETRY),     # the same worker at a newer term
+    (Target("A", "http://a", 1), Next.GIVE_UP),   # still the one that refused: answer now
+])
+def test_a_no_quorum_refusal_goes_where_the_table_points(table: Target, expect: Next) -> None:
+    cache = _Cache(table)
+    fwd = Forwarder(cache, None, GatewayMetrics())  # type: ignore[arg-type]
+    status, body = no_quorum(0, "A")
+    reply = WorkerReply(status, "unavailable", body, "A", 0, 1, None)
+    st = RetryState()
+    assert fwd._after_error(st, reply, 0, Target("A", "http://a", 1), write=True) is expect
+    assert st.last_reason == "no_quorum" and st.last_leader == "A" and not st.maybe_applied
+    assert cache.nudges == (1 if expect is Next.GIVE_UP else 0)
+
+
+async def test_batch_items_refused_for_no_quorum_keep_what_each_learned(aiohttp_server: Any,
+                                                                         aiohttp_client: Any) -> None:
+    """Per item of one call: applied, refused for no quorum, or timed out first
+    (then no quorum: outcome unknown, never "nothing applied")."""
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A",))
+    calls = [0]
+
+    async def script(call: Call) -> Answer:
+        calls[0] += 1
+        nq = no_quorum(0, "A")[1]
+        if calls[0] == 1:
+            timeout = err("quorum_timeout", 0, leader="A", term=1)[1]
+            return 200, {"results": [{"seq": 5, "term": 1, "result": {"id": "k0", "deleted": True}}, nq, timeout]}
+        return 200, {"results": [nq] * len(call.body["writes"])}
+
+    f.workers["A"].on = script
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    # (Deletes: a shard's puts would travel as one put_items write.)
+    writes = [{"op": "delete_item", "id": f"k{i}"} for i in range(3)]
+    resp = await client.post("/batch", data=orjson.dumps({"writes": writes}), headers={"x-deadline-ms": "3000"})
+    results = (await resp.json())["results"]
+    assert "error" not in results[0] and results[0]["seq"] == 5, results
+    assert results[1]["error"]["code"] == "unavailable" and results[1]["error"]["reason"] == "no_quorum"
+    assert results[2]["error"]["code"] == "quorum_timeout"
+    assert calls[0] == 2  # the timed-out one went again (same rid), then got no_quorum
 
 
 async def test_search_merges_top_k_across_groups(aiohttp_server: Any, aiohttp_client: Any) -> None:

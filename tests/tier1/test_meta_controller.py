@@ -370,3 +370,34 @@ def test_balance_leaves_a_group_moved_for_isolation_and_a_preferred_leader_that_
     soft.workers["w1"].groups[0] = GroupReport(term=5, role="follower", last_term=5, last_seq=100,
                                                leader_silence_ms=LEASE)
     assert rebalance(gs, soft, now, LEASE) == []
+
+
+def test_with_five_voters_the_successor_comes_from_the_side_that_cannot_hear_the_leader() -> None:
+    """{w1, w4} | {w2, w3, w5}: w4 still hears w1 and holds its newest tail, so the
+    most up-to-date voter overall is on the wrong side; leading, it could not
+    gather a majority either."""
+    now = 60_000
+    voters = ["w1", "w2", "w3", "w4", "w5"]
+    gs = [GroupRecord(id=0, term=5, leader="w1", voters=voters, preferred_leader="w1", ready_term=5)]
+    soft = SoftState(leader_since_ms=0)
+    last = {"w1": 130, "w4": 130, "w2": 100, "w3": 101, "w5": 99}
+    for wid in voters:
+        leads = wid == "w1"
+        soft.heard_from(wid, now, {0: GroupReport(term=5, role="leader" if leads else "follower", last_term=5,
+                                                  last_seq=last[wid], quorum=False if leads else None,
+                                                  leader_silence_ms=None if leads else (5 if wid == "w4" else LEASE))})
+    (action,) = decide(gs, soft, now, LEASE)
+    assert action.cause == "isolated" and action.leader == "w3"
+    # With the leader's own report only (no follower silent), any live voter: the most up-to-date.
+    for wid in ("w2", "w3", "w5"):
+        rep = soft.workers[wid].groups[0]
+        soft.workers[wid].groups[0] = GroupReport(term=5, role="follower", last_term=5, last_seq=rep.last_seq,
+                                                  leader_silence_ms=5)
+    (action,) = decide(gs, soft, now, LEASE)
+    assert action.leader == "w4"
+    # ... unless the leader says whom it cannot hear: its report comes first (the
+    # followers' silence reaches a lease a moment later), and it names the far side.
+    soft.workers["w1"].groups[0] = GroupReport(term=5, role="leader", last_term=5, last_seq=130, quorum=False,
+                                               unheard=("w2", "w3", "w5"))
+    (action,) = decide(gs, soft, now, LEASE)
+    assert action.leader == "w3"

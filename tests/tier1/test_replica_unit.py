@@ -1222,3 +1222,78 @@ def test_entry_timestamps_are_log_time_carried_from_leader_to_leader() -> None:
     net.queue.extend(x.msg for x in out if isinstance(x, Send))
     run_at_b_clock()
     assert b.entries(4, 4)[0].ts == e.ts + 600
+
+
+def test_without_quorum_a_known_rid_is_answered_as_what_it_is() -> None:
+    """A client re-sending after a lost answer must not hear "nothing applied"
+    for a write that applied (its seq) or may still commit (quorum_timeout)."""
+    net = ready_net()
+    a = net.r["a"]
+    net.do("a", ClientWrite("w1", "x", rid="r1"))
+    net.run()
+    assert net.replies("a")[-1].ok and net.replies("a")[-1].seq == 2
+    net.drop = lambda m: m.dst == "a"  # replies lost from here on
+    net.do("a", ClientWrite("w2", "y", rid="r2"))
+    net.run()
+    net.tick(CFG.lease_ms)
+    assert not a.has_quorum and net.replies("a")[-1] == Reply("w2", False, 0, 1, "quorum_timeout", "a")
+    for many in (False, True):
+        before = len(net.replies("a"))
+        if many:
+            net.do("a", ClientWriteMany(("m1", "m2", "m3"), ("x", "y", "z"), "quorum", ("r1", "r2", "r3")))
+        else:
+            for req, rid in (("m1", "r1"), ("m2", "r2"), ("m3", "r3")):
+                net.do("a", ClientWrite(req, "v", rid=rid))
+        got = [(r.req, r.ok, r.seq, r.error_code) for r in net.replies("a")[before:]]
+        assert got == [("m1", True, 2, None), ("m2", False, 0, "quorum_timeout"), ("m3", False, 0, NO_QUORUM)]
+
+
+def test_a_leader_whose_fetch_source_goes_silent_asks_a_majority_again() -> None:
+    # c has the best log; a must fetch it, and c dies right after promising.
+    net = Net({"a": stored(1, [op(1, 1)]), "b": stored(1, [op(1, 1)]),
+               "c": stored(1, [op(1, 1), op(1, 2), op(1, 3)])})
+    net.drop = lambda m: isinstance(m, Fetch) or (isinstance(m, Begin) and m.dst == "b")
+    net.view(2, "a", VOTERS)
+    net.run()
+    a = net.r["a"]
+    assert a.role == "candidate" and not a.ready  # fetching from c, which promised
+    net.drop = lambda m: "c" in (m.src, m.dst)
+    for _ in range(CFG.lease_ms // CFG.heartbeat_ms + 1):
+        net.tick(CFG.heartbeat_ms)
+        net.run()
+        # b, which promised, keeps hearing us meanwhile: it must not report us silent.
+        assert net.now - net.r["b"].leader_heard_at <= CFG.heartbeat_ms
+    # The Begin round ran again with a and b: their best log, c's unacknowledged tail gone.
+    assert a.ready and log_of(a) == [(1, 1), (2, 2)] and a.has_quorum
+
+
+def test_a_voter_that_cannot_answer_can_still_be_removed() -> None:
+    """Two voters, one dead: removing it is what gives the group a quorum again."""
+    net = ready_net(n=2)
+    net.drop = lambda m: "b" in (m.src, m.dst)
+    net.tick(CFG.lease_ms)
+    a = net.r["a"]
+    assert not a.has_quorum
+    net.do("a", ChangeMembership("m", remove="b"))
+    assert net.replies("a")[-1] == Reply("m", True, 2, 1, None, "a") and a.voters == ("a",) and a.has_quorum
+    net.do("a", ClientWrite("w", "x"))
+    assert net.replies("a")[-1].ok
+    # (Adding is refused: it would not restore a quorum.)
+    net = ready_net(n=2)
+    net.drop = lambda m: "b" in (m.src, m.dst)
+    net.tick(CFG.lease_ms)
+    net.do("a", ChangeMembership("m", add_learner="c"))
+    assert net.replies("a")[-1].error_code == NO_QUORUM
+
+
+def test_no_transfer_to_a_voter_the_leader_cannot_hear() -> None:
+    net = ready_net()
+    net.drop = lambda m: m.src == "c"  # c hears us, we do not hear c
+    for _ in range(CFG.lease_ms // CFG.heartbeat_ms):
+        net.tick(CFG.heartbeat_ms)
+        net.run()
+    a = net.r["a"]
+    net.do("a", TransferLeader("c"))
+    assert a.transfer_target is None  # it would hold writes up until the transfer timed out
+    net.do("a", TransferLeader("b"))
+    assert a.transfer_target == "b"
