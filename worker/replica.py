@@ -242,6 +242,9 @@ class _Leadership:
     # Check-quorum: False while no majority has answered within lease_ms.
     quorum_ok: bool = True
     quorum_lost_at: int | None = None
+    # Until then the quorum holds even if no reply comes (0: look now). Every
+    # event asks; this keeps the answer a comparison on the write path.
+    quorum_until: int = 0
     fetch_heard_at: int = 0  # the fetch source's last answer (FETCH)
     retry_at: int = 0
     promised: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -843,6 +846,7 @@ class Replica:
             self._start_replicating()
             return
         lead.phase = _FETCH
+        lead.quorum_until = 0
         lead.fetch_heard_at = self._now
         lead.fetch_src = best
         lead.fetch_goal = (bt, bs)
@@ -928,6 +932,7 @@ class Replica:
         assert lead is not None
         lead.phase = _BEGIN
         lead.started_at = self._now
+        lead.quorum_until = 0
         lead.promised = {self._id: (self.last_term, self.last_seq)}
         lead.fetch_src, lead.fetch_goal, lead.fetch_prev = "", (0, 0), 0
         self._send_begins()
@@ -969,6 +974,7 @@ class Replica:
         """Track exactly the members of the configuration in force."""
         lead = self._lead
         assert lead is not None
+        lead.quorum_until = 0  # the voters may have changed: look again
         cfg = self._config()
         members = [p for p in (*cfg.voters, *cfg.learners) if p != self._id]
         for peer in members:
@@ -1666,7 +1672,13 @@ class Replica:
     # Check-quorum
 
     def _check_quorum(self, lead: _Leadership) -> None:
+        now = self._now
+        if lead.quorum_ok and now < lead.quorum_until:
+            return
         ok = self._quorum_contact(lead)
+        if ok:
+            until = self._quorum_deadline(lead)
+            lead.quorum_until = until if until is not None else now + self._cfg.lease_ms
         if ok == lead.quorum_ok:
             return
         lead.quorum_ok = ok
@@ -1693,9 +1705,7 @@ class Replica:
         self._out.append(ReportQuorum(self._term, ok))
 
     def _quorum_deadline(self, lead: _Leadership) -> int | None:
-        """When check-quorum must look again if no reply arrives meanwhile."""
-        if not lead.quorum_ok:
-            return None
+        """When the quorum is lost if no reply arrives meanwhile (None: it cannot be)."""
         lease = self._cfg.lease_ms
         if lead.phase == _BEGIN:
             return lead.started_at + lease
@@ -1708,8 +1718,7 @@ class Replica:
         heard = sorted((lead.progress[v].heard_at for v in voters if v in lead.progress), reverse=True)
         if len(heard) < need:
             return None
-        at = heard[need - 1] + lease
-        return at if at > self._now else None  # (never a timer in the past: it would spin)
+        return heard[need - 1] + lease
 
     # ------------------------------------------------------------------
     # Time
@@ -1770,9 +1779,8 @@ class Replica:
         times: list[int] = []
         lead = self._lead
         if lead is not None:
-            lost_at = self._quorum_deadline(lead)
-            if lost_at is not None:
-                times.append(lost_at)
+            if lead.quorum_ok and lead.quorum_until > self._now:  # (never a timer in the past: it would spin)
+                times.append(lead.quorum_until)
             if lead.phase in (_BEGIN, _FETCH):
                 times.append(lead.retry_at)
                 times.append(lead.next_heartbeat)
