@@ -256,7 +256,8 @@ def run_isolated_leader(root: Path, scenario: str, out: dict[str, Any]) -> None:
         acks = ShardAcks(load.gen.result, 0)
         try:
             load.wait_more(300)
-            before = c.view()["groups"]["0"]
+            groups_before = c.view()["groups"]
+            before = groups_before["0"]
             victim = before["leader"]
             followers = [c.source[w] for w in before["voters"] if w != victim]
             out.update(victim=victim, term_before=before["term"])
@@ -296,6 +297,14 @@ def run_isolated_leader(root: Path, scenario: str, out: dict[str, Any]) -> None:
                 took, g = seen["failover"]
                 out.update(failover_s=round(took, 2), new_leader=g["leader"], new_term=g["term"])
                 load.wait_more(300)  # the new leader serves under the partition
+                # Only the isolated leadership moves: in the groups the victim follows, its
+                # silence alone (one voter of three) changes nothing.
+                moved = {gid: (gb["leader"], gb["term"], ga["leader"], ga["term"])
+                         for gid, ga in c.view()["groups"].items() if gid != "0"
+                         for gb in [groups_before[gid]] if (ga["leader"], ga["term"]) != (gb["leader"], gb["term"])}
+                out["other_groups_moved"] = moved
+                if moved:
+                    failed.append(f"groups other than 0 changed leader or term under the cut: {moved}")
                 if scenario != "asymmetric-out":  # (there the old leader still hears the new one)
                     # What an operator sees: topoctl status lists the old leader as cut off.
                     def shown() -> list[tuple[str, str, str, str]] | None:
