@@ -55,6 +55,13 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _cmd_dev(args: argparse.Namespace) -> int:
+    if args.action != "run":
+        from shardgrid.devcontrol import run_client
+
+        return run_client(Path(args.data), args.action, args.name, args.signal)
+    if args.name is not None:
+        sys.stderr.write(f"shardgrid dev: unexpected argument {args.name!r}\n")
+        return 2
     from shardgrid.devcluster import DevOptions, run_dev
 
     return run_dev(DevOptions(data=Path(args.data), fresh=args.fresh, topology=Path(args.topology),
@@ -103,7 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
 
-    d = sub.add_parser("dev", help="run a local cluster as child processes on loopback")
+    d = sub.add_parser("dev", help="run a local cluster as child processes on loopback",
+                       description="Without an action: run the cluster (Ctrl-C stops it). From a second shell: "
+                                   "`ps` lists its children, `kill NAME [--signal SIG]` signals one (KILL by "
+                                   "default), `start NAME` restarts one with its data, `add-worker` starts a "
+                                   "worker the topology does not declare.")
+    d.add_argument("action", nargs="?", default="run", choices=["run", "ps", "kill", "start", "add-worker"],
+                   help="run (default), or act on the cluster running with --data")
+    d.add_argument("name", nargs="?", default=None, help="the child for kill and start (w1, m2, g1, ...)")
+    d.add_argument("--signal", default="KILL", help="kill: KILL (default), TERM, STOP, CONT or INT")
     d.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
     d.add_argument("--fresh", action="store_true", help="wipe the data directory first")
     d.add_argument("--topology", default=str(default_topology_path()), help="topology file to apply")

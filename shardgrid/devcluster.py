@@ -7,6 +7,13 @@ things are and, on Ctrl-C / SIGTERM, stops every child (TERM, then KILL)
 before exiting; the benchmark reuses `LocalCluster` for `--cluster local`.
 Logs of each child go to DATA/logs/NAME.log.
 
+`shardgrid dev` is where a user first meets failures, so a child that exits
+does not stop the cluster: it says so (`w1 exited (signal 9 (SIGKILL))`) and
+goes on. From a second shell, `shardgrid dev ps|kill|start|add-worker`
+(shardgrid/devcontrol.py) lists the children, signals one, restarts one
+with its data, or adds a worker the topology does not declare (it registers
+as `available`).
+
 Without `--workers/--shards/--gateways` it runs `examples/topology.yaml`;
 with them it generates a topology on consecutive loopback ports
 (meta 7001-7003/7101-7103, workers from 7201, gateways from 8080).
@@ -27,7 +34,8 @@ from typing import Any, Callable
 
 import aiohttp
 
-from meta.client import MetaClient, MetaUnreachable
+from meta.client import MetaClient, MetaError, MetaUnreachable
+from shardgrid.devcontrol import DevActions, DevControl, DevControlError, exit_text
 from shardgrid.procs import Child, stop_all
 from topology.loader import load_topology
 from topology.model import Topology
@@ -83,12 +91,25 @@ async def wait_meta_ready(addrs: list[str], deadline_s: float) -> dict[str, Any]
             await asyncio.sleep(0.1)
 
 
+APPLY_ATTEMPTS = 5
+
+
 async def apply_topology(addrs: list[str], text: str) -> dict[str, Any]:
+    """Apply `text` (a no-op when it is what meta holds). Another apply may land
+    between the preview and ours (a `topoctl apply` while the cluster starts):
+    the compare-and-set then fails, and the plan is made again from what meta
+    holds now."""
     async with MetaClient(addrs) as client:
-        preview = await client.put_topology(text, dry_run=True)
-        if not preview["changed"]:
-            return preview
-        return await client.put_topology(text, expect_revision=preview["topology_revision"])
+        for attempt in range(APPLY_ATTEMPTS):
+            preview = await client.put_topology(text, dry_run=True)
+            if not preview["changed"]:
+                return preview
+            try:
+                return await client.put_topology(text, expect_revision=preview["topology_revision"])
+            except MetaError as exc:
+                if exc.code != "conflict" or attempt == APPLY_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
 
 async def wait_groups_ready(addrs: list[str], deadline_s: float, balanced: bool = False) -> dict[str, Any]:
@@ -162,10 +183,35 @@ class LocalCluster:
 
     def _child(self, name: str, args: list[str]) -> Child:
         child = Child(name, [sys.executable, "-m", "shardgrid.cli", *args], self.data / "logs" / f"{name}.log")
-        child.start(self.extra_env)
         self.children.append(child)
-        self.say(f"started {name} (pid {child.pid}), log {child.log_path}")
+        self.start_child(child)
         return child
+
+    def start_child(self, child: Child) -> None:
+        """(Re)start a child with its own arguments (and so its own data)."""
+        child.start(self.extra_env)
+        self.say(f"started {child.name} (pid {child.pid}), log {child.log_path}")
+
+    def _worker_args(self, wid: str, http: str, zone: str) -> list[str]:
+        return ["worker", "--id", wid, "--http", http, "--meta", ",".join(self.meta_addrs),
+                "--data", str(self.data / "workers" / wid), "--zone", zone]
+
+    def add_worker(self) -> Child:
+        """A worker the topology does not declare, on the next free port after
+        the workers' ports: it registers with meta as `available`."""
+        names = {c.name for c in self.children}
+        n = len(self.topo.workers) + 1
+        while f"w{n}" in names:
+            n += 1
+        host, _, port = self.topo.workers[-1].http.rpartition(":")
+        used = {int(a.rpartition(":")[2]) for a in self.addresses()} | \
+            {int(c.argv[c.argv.index("--http") + 1].rpartition(":")[2]) for c in self.children if "--http" in c.argv}
+        candidate = int(port) + 1
+        while candidate in used or not _port_free(host, candidate):
+            candidate += 1
+            if candidate > 65535:
+                raise DevControlError("no free port for another worker")
+        return self._child(f"w{n}", self._worker_args(f"w{n}", f"{host}:{candidate}", ZONES[(n - 1) % len(ZONES)]))
 
     def addresses(self) -> list[str]:
         topo = self.topo
@@ -174,16 +220,7 @@ class LocalCluster:
 
     def check_ports_free(self) -> None:
         """Fail fast, by name, when another process holds one of our ports."""
-        busy = []
-        for addr in self.addresses():
-            host, _, port = addr.rpartition(":")
-            with socket.socket() as sock:
-                # SO_REUSEADDR: a port in TIME_WAIT from a stopped cluster is free to use.
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    sock.bind((host, int(port)))
-                except OSError:
-                    busy.append(addr)
+        busy = [addr for addr in self.addresses() if not _port_free(*_host_port(addr))]
         if busy:
             raise PortsBusy(f"in use already (another cluster running?): {', '.join(busy)}")
 
@@ -204,8 +241,7 @@ class LocalCluster:
         self.say(f"topology applied (topology revision {result['topology_revision']})")
         meta = ",".join(self.meta_addrs)
         for w in topo.workers:
-            self._child(w.id, ["worker", "--id", w.id, "--http", w.http, "--meta", meta,
-                               "--data", str(self.data / "workers" / w.id), "--zone", w.zone])
+            self._child(w.id, self._worker_args(w.id, w.http, w.zone))
         for i, gw in enumerate(self.gateways):
             self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta, *self.gateway_args])
         self.say("waiting for every group to have a ready leader ...")
@@ -218,6 +254,22 @@ class LocalCluster:
 
     def stop(self) -> dict[str, int | None]:
         return stop_all(self.children)
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        # SO_REUSEADDR: a port in TIME_WAIT from a stopped cluster is free to use.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -238,6 +290,8 @@ def run_dev(opts: DevOptions) -> int:
     if opts.fresh and opts.data.exists():
         shutil.rmtree(opts.data)
     cluster = LocalCluster(text, opts.data, gateways=[f"127.0.0.1:{8080 + i}" for i in range(opts.gateways)])
+    control = DevControl(opts.data, DevActions(children=lambda: list(cluster.children),
+                                               start_child=cluster.start_child, add_worker=cluster.add_worker))
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -247,6 +301,8 @@ def run_dev(opts: DevOptions) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        opts.data.mkdir(parents=True, exist_ok=True)
+        control.open()
         view = cluster.start()
         for gid, g in sorted(view["groups"].items(), key=lambda kv: int(kv[0])):
             _say(f"  group {gid}: leader {g['leader']} term {g['term']} voters {','.join(g['voters'])}")
@@ -264,19 +320,27 @@ def run_dev(opts: DevOptions) -> int:
              f" && curl -s -XPOST http://{gw}/search -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})'), "
              f"\\\"k\\\": 3}}\"")
         _say(f"    .venv/bin/topoctl --meta {','.join(cluster.meta_addrs)} status")
+        data_arg = "" if str(opts.data) == DEFAULT_DATA else f" --data {opts.data}"
+        _say("  and failures, from another shell (the cluster goes on when a child exits):")
+        _say(f"    .venv/bin/shardgrid dev ps{data_arg}")
+        _say(f"    .venv/bin/shardgrid dev kill w1{data_arg}      # SIGKILL; watch the failover in topoctl status")
+        _say(f"    .venv/bin/shardgrid dev start w1{data_arg}     # back, with its data")
+        _say(f"    .venv/bin/shardgrid dev add-worker{data_arg}   # a worker the topology does not declare")
         _say("Ctrl-C stops everything.")
+        reported: set[tuple[str, int]] = set()
         while not stopping:
-            dead = cluster.dead_children()
-            if dead:
-                _say(f"{dead[0].name} exited with {dead[0].proc.returncode if dead[0].proc else '?'}; "
-                     f"see {dead[0].log_path}; stopping")
-                break
-            time.sleep(0.2)
-        return 0 if not cluster.dead_children() else 1
-    except (TimeoutError, MetaUnreachable, PortsBusy) as exc:
+            control.serve(0.2)
+            for child in cluster.children:
+                if child.proc is not None and not child.alive() and (child.name, child.pid) not in reported:
+                    reported.add((child.name, child.pid))
+                    _say(f"{child.name} exited: {exit_text(child.proc.returncode)}; the cluster goes on. "
+                         f"Log: {child.log_path}; `shardgrid dev start {child.name}` brings it back")
+        return 0
+    except (TimeoutError, MetaUnreachable, MetaError, PortsBusy, DevControlError) as exc:
         _say(f"shardgrid dev: {exc}")
         return 1
     finally:
+        control.close()
         _say("stopping ...")
         codes = cluster.stop()
         _say("stopped: " + ", ".join(f"{k}={v}" for k, v in codes.items()))

@@ -145,6 +145,29 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
         assert http_json("PUT", "http://127.0.0.1:8080/embeddings/e1", {"vector": vec}, timeout=5)[0] == 200
         code, found = http_json("POST", "http://127.0.0.1:8080/search", {"vector": vec, "k": 1}, timeout=10)
         assert code == 200 and found["results"][0]["id"] == "e1" and found["degraded"] is False
+        # From a second shell: SIGKILL a worker; the cluster goes on, fails over, and takes it back.
+        data = str(tmp_path / "dev")
+
+        def dev(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "shardgrid.cli", "dev", *args, "--data", data],
+                                  capture_output=True, text=True, timeout=30)
+        ps = dev("ps")
+        assert ps.returncode == 0 and all(n in ps.stdout for n in ("m1", "w1", "g1")), ps.stdout + ps.stderr
+        assert dev("kill", "w1").returncode == 0
+        wait_until(lambda: any(ln.startswith("w1 exited: signal 9 (SIGKILL); the cluster goes on") for ln in lines),
+                   10, "the dev cluster to say w1 exited and go on")
+        wait_until(lambda: http_json("PUT", "http://127.0.0.1:8080/items/after-kill", {"v": 1}, timeout=5)[0] == 200,
+                   20, "writes after w1's SIGKILL")
+        assert proc.poll() is None
+        assert "signal 9 (SIGKILL)" in dev("ps").stdout
+        again = dev("start", "w1")
+        assert again.returncode == 0 and "started w1" in again.stdout, again.stdout + again.stderr
+        wait_until(lambda: "w1" in dev("ps").stdout and "running" in
+                   next(ln for ln in dev("ps").stdout.splitlines() if ln.startswith("w1")), 10, "w1 running again")
+        added = dev("add-worker")
+        assert added.returncode == 0 and "started w4" in added.stdout, added.stdout + added.stderr
+        wait_until(lambda: http_json("GET", "http://127.0.0.1:7101/v1/cluster", timeout=2)[1]["workers"]
+                   .get("w4", {}).get("state") == "available", 30, "w4 to register as available")
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
