@@ -178,9 +178,11 @@ class MetaClient:
                                                  params=params, admin=True)
         return result
 
-    async def register(self, wid: str, addr: str, zone: str | None) -> dict[str, Any]:
-        result: dict[str, Any] = await self.call("POST", "/v1/workers/register",
-                                                 json={"id": wid, "addr": addr, "zone": zone})
+    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": wid, "addr": addr, "zone": zone}
+        if ram or disk:
+            body.update(available_ram=ram, available_disk=disk)
+        result: dict[str, Any] = await self.call("POST", "/v1/workers/register", json=body)
         return result
 
     async def heartbeat(self, wid: str, report: dict[str, Any], deadline_s: float = 1.0) -> dict[str, Any]:

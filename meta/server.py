@@ -26,6 +26,7 @@ from meta.raft import MetaRaft, RaftUnavailable
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
 from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
 from topology.loader import load_topology
@@ -452,7 +453,15 @@ class MetaServer:
         zone = body.get("zone")
         if zone is not None and not isinstance(zone, str):
             raise ApiError("bad_request", "zone must be a string")
-        result = await self._submit({"op": "register_worker", "id": wid, "addr": addr, "zone": zone})
+        capacity = {}
+        for key in ("available_ram", "available_disk"):
+            value = body.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:
+                raise ApiError("bad_request", f"{key} must be a whole number of bytes (0 to {MAX_BYTES})")
+            capacity[key] = value
+        result = await self._submit({"op": "register_worker", "id": wid, "addr": addr, "zone": zone,
+                                     "ram_bytes": capacity["available_ram"],
+                                     "disk_bytes": capacity["available_disk"]})
         self._raise_failed(result)
         return json_response(result)
 

@@ -28,6 +28,10 @@ class WorkerRecord:
     addr: str
     zone: str = "default"
     state: str = "available"
+    # What the worker advertised when it registered (bytes; 0: not said). Plain
+    # defaults, not factories: a record pickled before they existed reads them.
+    ram_bytes: int = 0
+    disk_bytes: int = 0
 
 
 @dataclass
@@ -142,15 +146,16 @@ class MetaStateMachine:
 
     def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
         wid, addr = cmd["id"], cmd["addr"]
+        ram, disk = int(cmd.get("ram_bytes", 0)), int(cmd.get("disk_bytes", 0))
         rec = self.workers.get(wid)
         # A worker started without --zone keeps the zone the topology gave it.
         zone = cmd.get("zone") or (rec.zone if rec is not None else "default")
         if rec is None:
-            self.workers[wid] = WorkerRecord(wid, addr, zone, "available")
+            self.workers[wid] = WorkerRecord(wid, addr, zone, "available", ram, disk)
             return ok(state="available")
-        if rec.addr == addr and rec.zone == zone:
+        if (rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes) == (addr, zone, ram, disk):
             return ok(changed=False, state=rec.state)
-        rec.addr, rec.zone = addr, zone
+        rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes = addr, zone, ram, disk
         return ok(state=rec.state)
 
     def _cmd_set_worker_state(self, cmd: dict[str, Any]) -> dict[str, Any]:

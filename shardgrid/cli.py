@@ -33,11 +33,18 @@ def _cmd_meta(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    from shardgrid.units import parse_bytes
     from worker.process import WorkerConfig, main as worker_main
 
+    try:
+        ram = parse_bytes(args.available_ram) if args.available_ram else 0
+        disk = parse_bytes(args.available_disk) if args.available_disk else 0
+    except ValueError as exc:
+        sys.stderr.write(f"shardgrid worker: {exc}\n")
+        return 2
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
-                       zone=args.zone, source_addr=args.source_addr)
+                       zone=args.zone, source_addr=args.source_addr, available_ram=ram, available_disk=disk)
     return worker_main(cfg)
 
 
@@ -58,7 +65,8 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     if args.action != "run":
         from shardgrid.devcontrol import run_client
 
-        return run_client(Path(args.data), args.action, args.name, args.signal)
+        return run_client(Path(args.data), args.action, args.name, args.signal, args.available_ram,
+                          args.available_disk)
     if args.name is not None:
         sys.stderr.write(f"shardgrid dev: unexpected argument {args.name!r}\n")
         return 2
@@ -97,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--zone", default=None, help="failure domain (default: the topology's)")
     w.add_argument("--source-addr", default=None,
                    help="local IP for outgoing connections to peers and meta (multi-homed hosts, tests)")
+    w.add_argument("--available-ram", default=None, metavar="SIZE",
+                   help="memory this worker offers the cluster (e.g. 8GB); advertised to meta at registration")
+    w.add_argument("--available-disk", default=None, metavar="SIZE",
+                   help="disk this worker offers the cluster (e.g. 50GB); advertised to meta at registration")
     w.set_defaults(func=_cmd_worker)
 
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
@@ -119,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run (default), or act on the cluster running with --data")
     d.add_argument("name", nargs="?", default=None, help="the child for kill and start (w1, m2, g1, ...)")
     d.add_argument("--signal", default="KILL", help="kill: KILL (default), TERM, STOP, CONT or INT")
+    d.add_argument("--available-ram", default=None, metavar="SIZE", help="add-worker: memory it advertises (8GB)")
+    d.add_argument("--available-disk", default=None, metavar="SIZE", help="add-worker: disk it advertises (50GB)")
     d.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
     d.add_argument("--fresh", action="store_true", help="wipe the data directory first")
     d.add_argument("--topology", default=str(default_topology_path()), help="topology file to apply")

@@ -196,9 +196,10 @@ class LocalCluster:
         return ["worker", "--id", wid, "--http", http, "--meta", ",".join(self.meta_addrs),
                 "--data", str(self.data / "workers" / wid), "--zone", zone]
 
-    def add_worker(self) -> Child:
+    def add_worker(self, extra: list[str] | None = None) -> Child:
         """A worker the topology does not declare, on the next free port after
-        the workers' ports: it registers with meta as `available`."""
+        the workers' ports: it registers with meta as `available`. `extra`:
+        more worker arguments (its advertised capacity)."""
         names = {c.name for c in self.children}
         n = len(self.topo.workers) + 1
         while f"w{n}" in names:
@@ -211,7 +212,8 @@ class LocalCluster:
             candidate += 1
             if candidate > 65535:
                 raise DevControlError("no free port for another worker")
-        return self._child(f"w{n}", self._worker_args(f"w{n}", f"{host}:{candidate}", ZONES[(n - 1) % len(ZONES)]))
+        return self._child(f"w{n}", [*self._worker_args(f"w{n}", f"{host}:{candidate}", ZONES[(n - 1) % len(ZONES)]),
+                                     *(extra or [])])
 
     def addresses(self) -> list[str]:
         topo = self.topo

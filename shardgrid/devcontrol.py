@@ -51,7 +51,7 @@ class DevActions:
 
     children: Callable[[], list[Child]]
     start_child: Callable[[Child], None]
-    add_worker: Callable[[], Child]
+    add_worker: Callable[[list[str]], Child]  # extra worker arguments (--available-ram ...)
 
 
 class DevControl:
@@ -126,7 +126,11 @@ class DevControl:
             self.actions.start_child(child)
             return _describe(child)
         if op == "add-worker":
-            return _describe(self.actions.add_worker())
+            extra: list[str] = []
+            for key, flag in (("available_ram", "--available-ram"), ("available_disk", "--available-disk")):
+                if req.get(key):
+                    extra += [flag, str(req[key])]
+            return _describe(self.actions.add_worker(extra))
         raise DevControlError(f"unknown request {op!r}: ps, kill, start, add-worker")
 
     def _child(self, name: Any) -> Child:
@@ -188,9 +192,17 @@ def request(data: Path, req: dict[str, Any], timeout_s: float = 30.0) -> dict[st
     return reply
 
 
-def run_client(data: Path, action: str, name: str | None, sig: str) -> int:
+def run_client(data: Path, action: str, name: str | None, sig: str, ram: str | None = None,
+               disk: str | None = None) -> int:
     """`shardgrid dev ps|kill|start|add-worker`: print the answer; 0, or 1 when refused."""
     req: dict[str, Any] = {"op": action}
+    if action == "add-worker":
+        from shardgrid.units import parse_bytes
+        try:
+            req.update({k: v for k, v in (("available_ram", ram), ("available_disk", disk)) if v and parse_bytes(v)})
+        except ValueError as exc:
+            sys.stderr.write(f"shardgrid dev add-worker: {exc}\n")
+            return 2
     if action in ("kill", "start"):
         if not name:
             sys.stderr.write(f"shardgrid dev {action}: name a child (see `shardgrid dev ps`)\n")

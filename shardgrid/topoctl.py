@@ -24,6 +24,7 @@ import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.auth import read_secret
+from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
 
@@ -129,10 +130,13 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"{gid:<6} {g['term']:>5} {g['leader'] or '-':<10} {'yes' if g['ready'] else 'no':<6} "
                      f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-'}")
     lines.append("")
-    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} LIVE")
+    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'LIVE':<5} CAPACITY")
     for wid, w in sorted(st["workers"].items()):
         live = {True: "yes", False: "no"}.get(w.get("live"), "?")
-        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live}")
+        offered = [f"{what} {format_bytes(n)}" for what, n in (("ram", w.get("ram_bytes") or 0),
+                                                                 ("disk", w.get("disk_bytes") or 0)) if n]
+        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} "
+                     f"{', '.join(offered) or '-'}")
     lines.append("")
     problems = replica_problems(st)
     if problems is None:

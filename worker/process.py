@@ -41,6 +41,9 @@ class WorkerConfig:
     zone: str | None = None
     # Source address of outgoing connections (peers, meta); None = the OS picks.
     source_addr: str | None = None
+    # What it offers the cluster (bytes; 0 = not said), advertised when it registers.
+    available_ram: int = 0
+    available_disk: int = 0
 
 
 class _BatchingCollector:
@@ -154,9 +157,11 @@ class WorkerNode:
     async def _register(self) -> None:
         while not self.registered:
             try:
-                await self.meta.register(self.id, self.cfg.advertise, self.cfg.zone)
+                await self.meta.register(self.id, self.cfg.advertise, self.cfg.zone,
+                                         ram=self.cfg.available_ram, disk=self.cfg.available_disk)
                 self.registered = True
-                self.log.info("registered", advertise=self.cfg.advertise)
+                self.log.info("registered", advertise=self.cfg.advertise, available_ram=self.cfg.available_ram,
+                              available_disk=self.cfg.available_disk)
             except (MetaError, MetaUnreachable) as exc:
                 self.log.warning("register_failed", error=str(exc))
                 await asyncio.sleep(0.5)

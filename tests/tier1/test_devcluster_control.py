@@ -27,8 +27,8 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, list[Child]]]:
         c.start()
     added: list[Child] = []
 
-    def add() -> Child:
-        c = Child(f"w{3 + len(added)}", list(SLEEPER), tmp_path / "logs" / "w3.log")
+    def add(extra: list[str]) -> Child:
+        c = Child(f"w{3 + len(added)}", [*SLEEPER, *extra], tmp_path / "logs" / "w3.log")
         c.start()
         added.append(c)
         children.append(c)
@@ -69,8 +69,10 @@ def test_ps_kill_start_and_add(served: tuple[Path, list[Child]], capsys: pytest.
     old = children[0].pid
     assert run_client(data, "start", "w1", "KILL") == 0
     assert children[0].alive() and children[0].pid != old
-    assert run_client(data, "add-worker", None, "KILL") == 0
+    assert run_client(data, "add-worker", None, "KILL", ram="8GB") == 0
     assert "started w3" in capsys.readouterr().out and len(children) == 3
+    assert children[2].argv[-2:] == ["--available-ram", "8GB"]
+    assert run_client(data, "add-worker", None, "KILL", ram="8 lightyears") == 2
     assert run_client(data, "kill", None, "KILL") == 2  # a name is needed
 
 
@@ -78,11 +80,11 @@ def test_a_second_cluster_on_the_same_data_is_refused_and_a_stale_socket_is_not(
                                                                                  served: Any) -> None:
     data, _ = served
     with pytest.raises(DevControlError, match="already runs"):
-        DevControl(data, DevActions(list, lambda c: None, lambda: None)).open()  # type: ignore[arg-type, return-value]
+        DevControl(data, DevActions(list, lambda c: None, lambda e: None)).open()  # type: ignore[arg-type, return-value]
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "dev.sock").touch()  # left by a killed cluster
-    control = DevControl(stale, DevActions(list, lambda c: None, lambda: None))  # type: ignore[arg-type, return-value]
+    control = DevControl(stale, DevActions(list, lambda c: None, lambda e: None))  # type: ignore[arg-type, return-value]
     control.open()
     control.close()
     with pytest.raises(DevControlError, match="no dev cluster runs"):

@@ -134,6 +134,15 @@ async def test_register_and_heartbeat_validation(api: TestClient) -> None:
     assert hb.status == 200
     view = await (await api.get("/v1/cluster")).json()
     assert view["workers"]["w7"]["live"] is True
+    # Mode B: a worker the topology does not declare advertises what it offers.
+    for bad in ({"available_ram": -1}, {"available_ram": "8GB"}, {"available_disk": 2**63}, {"available_disk": True}):
+        r = await api.post("/v1/workers/register", json={"id": "w8", "addr": "127.0.0.1:10", **bad})
+        assert r.status == 400 and "whole number of bytes" in (await r.json())["error"]["message"]
+    r = await api.post("/v1/workers/register", json={"id": "w8", "addr": "127.0.0.1:10", "available_ram": 8 * 10**9,
+                                                     "available_disk": 50 * 10**9})
+    assert r.status == 200 and (await r.json())["state"] == "available"
+    w8 = (await (await api.get("/v1/cluster")).json())["workers"]["w8"]
+    assert (w8["state"], w8["ram_bytes"], w8["disk_bytes"]) == ("available", 8 * 10**9, 50 * 10**9)
 
 
 async def test_unknown_route_and_health_and_metrics(api: TestClient) -> None:

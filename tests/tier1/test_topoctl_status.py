@@ -77,3 +77,11 @@ def test_status_shows_a_leader_without_quorum_and_replicas_cut_off_from_their_le
     assert [(r[0], r[1], r[2]) for r in rows] == [("w1", "0", "no-quorum"), ("w2", "0", "cut-off")]
     assert "no round trip with a majority of its voters for 2300 ms" in rows[0][3]
     assert rows[1][3] == "has not heard from its leader w1 (term 3) for 3800 ms"
+
+
+def test_status_shows_what_each_worker_offers() -> None:
+    st = _with_reports({"w1": ..., "w4": ...})
+    st["workers"]["w4"].update(state="available", ram_bytes=8 * 10**9, disk_bytes=50 * 10**9)
+    rows = {line.split()[0]: line for line in render_status(st).splitlines() if line.startswith("w")}
+    assert rows["w4"].split(None, 5)[5] == "ram 8 GB, disk 50 GB" and "available" in rows["w4"]
+    assert rows["w1"].rstrip().endswith("-")

@@ -164,10 +164,11 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
         assert again.returncode == 0 and "started w1" in again.stdout, again.stdout + again.stderr
         wait_until(lambda: "w1" in dev("ps").stdout and "running" in
                    next(ln for ln in dev("ps").stdout.splitlines() if ln.startswith("w1")), 10, "w1 running again")
-        added = dev("add-worker")
+        added = dev("add-worker", "--available-ram", "8GB")
         assert added.returncode == 0 and "started w4" in added.stdout, added.stdout + added.stderr
-        wait_until(lambda: http_json("GET", "http://127.0.0.1:7101/v1/cluster", timeout=2)[1]["workers"]
-                   .get("w4", {}).get("state") == "available", 30, "w4 to register as available")
+        wait_until(lambda: (w := http_json("GET", "http://127.0.0.1:7101/v1/cluster", timeout=2)[1]["workers"]
+                            .get("w4", {})).get("state") == "available" and w.get("ram_bytes") == 8 * 10**9, 30,
+                   "w4 to register as available with 8 GB of RAM")
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
