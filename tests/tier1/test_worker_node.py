@@ -16,7 +16,7 @@ class _FakeMeta:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def register(self, wid: str, addr: str, zone: str | None) -> dict[str, Any]:
+    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
         self.calls.append("register")
         return {"ok": True}
 
