@@ -23,6 +23,7 @@ from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeade
                              UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
                              report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
+from meta.repair import StartOperator, repair
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
 from shardgrid.httpmetrics import HttpMetrics
@@ -90,6 +91,8 @@ class MetaServer:
         self.g_raft_term = Gauge("shardgrid_meta_raft_term", "PySyncObj term", registry=reg)
         self.c_failovers = Counter("shardgrid_meta_failovers", "leaderships the controller moved, by cause "
                                    "(silent, restarted, unusable, unassigned, isolated)", ["cause"], registry=reg)
+        self.c_repairs = Counter("shardgrid_meta_repairs", "replica operators the controller started to replace a "
+                                 "gone voter, by kind (add, remove)", ["kind"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
@@ -118,6 +121,7 @@ class MetaServer:
         r.add_post("/v1/groups/{gid}/leader", self.group_leader)
         r.add_post("/v1/workers/register", self.register_worker)
         r.add_post("/v1/workers/{wid}/heartbeat", self.heartbeat)
+        r.add_post("/v1/workers/{wid}/gone", self.worker_gone)
         app.on_startup.append(self._start_controller)
         app.on_cleanup.append(self._stop_controller)
         return app
@@ -465,6 +469,24 @@ class MetaServer:
         self._raise_failed(result)
         return json_response(result)
 
+    async def worker_gone(self, request: web.Request) -> web.Response:
+        """An operator says the worker will not come back: repair replaces its
+        voters now instead of after settings.replace_after_ms."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        soft = self._require_leader()
+        wid = request.match_info["wid"]
+        if wid not in self.raft.sm.workers:
+            raise ApiError("not_found", f"no worker {wid!r}")
+        seen = soft.workers.get(wid)
+        now = _now_ms()
+        if heard_live(soft, wid, now, self._lease_ms()) and seen is not None:
+            raise ApiError("bad_request", f"{wid} is live (heard {now - seen.last_seen_ms} ms ago): stop it first; "
+                           "the replicas of a live worker are not replaced")
+        result = await self._submit({"op": "set_worker_state", "id": wid, "state": "removed"})
+        self._raise_failed(result)
+        self.log.info("worker_gone", worker=wid)
+        return json_response({"worker": wid, "state": "removed"})
+
     async def heartbeat(self, request: web.Request) -> web.Response:
         if not self.raft.is_leader() or self.soft is None:
             leader = self.raft.leader()
@@ -527,6 +549,12 @@ class MetaServer:
             group = sm.groups.get(op.group)
             if group is not None and op.group not in self._busy_groups:
                 actions.extend(advance_operator(op, group, self.soft, now, lease))
+        topo = sm.topology
+        if topo is not None:
+            replace_after = int(topo["settings"].get("replace_after_ms", 60_000))
+            actions.extend(s for s in repair(list(sm.groups.values()), sm.operators, sm.workers, self.soft, now,
+                                             lease, replace_after, int(topo["replication_factor"]))
+                           if s.group not in self._busy_groups)
         if not actions and not self._busy_groups and self._balance_idle(now):
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
@@ -583,6 +611,15 @@ class MetaServer:
                                          "done": action.done})
             self.log.info("operator_step", group=action.group, kind=action.kind, worker=action.worker,
                           step=action.step, message=action.message, done=action.done, ok=result.get("ok"))
+        elif isinstance(action, StartOperator):
+            cmd = {"op": "put_operator", "group": action.group, "kind": action.kind, "worker": action.worker,
+                   "step": "add_learner" if action.kind == "add" else "remove", "message": action.reason,
+                   "started_ms": int(time.time() * 1000)}
+            result = await self._submit(cmd)
+            self.log.info("repair_started", group=action.group, kind=action.kind, worker=action.worker,
+                          reason=action.reason, ok=result.get("ok"), code=result.get("code"))
+            if result.get("ok"):
+                self.c_repairs.labels(action.kind).inc()
         elif isinstance(action, (ChangeMembers, StartTransfer)):
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))

@@ -241,6 +241,14 @@ async def cmd_replicas(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.5)
 
 
+async def cmd_worker(args: argparse.Namespace) -> int:
+    """`topoctl worker gone W`: W will not come back; replace its replicas now."""
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/workers/{args.worker}/gone", json={}, admin=True)
+    _out(f"{res['worker']}: {res['state']}; its replicas are replaced now (topoctl operators shows the moves)")
+    return 0
+
+
 async def cmd_operators(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         ops = (await client.call("GET", "/v1/operators"))["operators"]
@@ -291,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("operators", help="placement changes in progress")
     o.add_argument("--json", action="store_true")
     o.set_defaults(func=cmd_operators)
+    w = sub.add_parser("worker", help="worker verbs: gone W (it will not come back: replace its replicas now)")
+    w.add_argument("action", choices=["gone"])
+    w.add_argument("worker")
+    w.set_defaults(func=cmd_worker)
     return p
 
 

@@ -45,6 +45,8 @@ class Settings:
     deadline_ms: int = 5000  # default request deadline at gateways
     snapshot_every: int = 100_000  # entries between plugin snapshots (etcd's snapshot-count default)
     embedding_dim: int = 64  # fixed per cluster
+    # A voter silent this long is replaced by another worker (meta/repair.py).
+    replace_after_ms: int = 60_000
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

@@ -107,17 +107,20 @@ class Cluster:
     # -- topology ------------------------------------------------------------------
 
     def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3",
-                      snapshot_every: int = 10000, groups: list[tuple[int, str, list[str]]] | None = None) -> str:
+                      snapshot_every: int = 10000, groups: list[tuple[int, str, list[str]]] | None = None,
+                      declared: int | None = None, settings: str = "") -> str:
+        """`declared`: only the first N workers go in the file (the rest join as
+        `available`); `settings`: more `key: value` pairs for `settings:`."""
         lines = [f"cluster: {cluster}", f"shards: {shards}", f"replication_factor: {rf}", "plugin: entities",
                  "meta:"]
         lines += [f"  - {{id: {m.id}, raft: '{m.raft}', http: '{m.http}'}}" for m in self.meta]
         lines.append("workers:")
-        lines += [f"  - {{id: {w}, http: '{h}', zone: {z}}}" for w, h, z in self.workers]
+        lines += [f"  - {{id: {w}, http: '{h}', zone: {z}}}" for w, h, z in self.workers[:declared]]
         if groups:
             lines.append("groups:")
             lines += [f"  - {{id: {gid}, leader: {leader}, replicas: [{', '.join(reps)}]}}" for gid, leader, reps in groups]
         lines.append(f"settings: {{ack: quorum, quorum_timeout_ms: 2000, lease_ms: {lease_ms}, fsync: batch, "
-                     f"snapshot_every: {snapshot_every}}}")
+                     f"snapshot_every: {snapshot_every}{', ' + settings if settings else ''}}}")
         return "\n".join(lines) + "\n"
 
     def write_topology(self, text: str, name: str = "topology.yaml") -> Path:

@@ -276,3 +276,19 @@ async def test_a_replica_reported_corrupt_counts_as_failed(meta_and_worker: Any)
     assert hb.status == 200
     rep = server.soft.workers["w1"].groups[0]
     assert rep.failed == "corrupt: record 7: bad checksum" and unusable(rep)
+
+
+async def test_worker_gone_is_refused_for_a_live_or_unknown_worker(api: TestClient) -> None:
+    ok = await api.post("/v1/workers/register", json={"id": "w7", "addr": "127.0.0.1:9"})
+    assert ok.status == 200
+    r = await api.post("/v1/workers/nope/gone", headers=AUTH)
+    assert r.status == 404 and "no worker 'nope'" in (await r.json())["error"]["message"]
+    assert (await api.post("/v1/workers/register", json={"id": "w8", "addr": "127.0.0.1:10"})).status == 200
+    assert (await api.post("/v1/workers/w8/heartbeat", json={"groups": {}})).status == 200
+    r = await api.post("/v1/workers/w8/gone", headers=AUTH)
+    assert r.status == 400 and "w8 is live" in (await r.json())["error"]["message"]
+    assert (await api.post("/v1/workers/w7/gone")).status == 401  # the admin token
+    r = await api.post("/v1/workers/w7/gone", headers=AUTH)
+    assert r.status == 200 and await r.json() == {"worker": "w7", "state": "removed"}
+    view = await (await api.get("/v1/cluster")).json()
+    assert view["workers"]["w7"]["state"] == "removed"

@@ -1,0 +1,98 @@
+"""Automatic repair (meta/repair.py): a gone voter is replaced, one step at a time."""
+from __future__ import annotations
+
+from meta.controller import GroupReport, SoftState
+from meta.repair import StartOperator, repair
+from meta.state import GroupRecord, OperatorRecord, WorkerRecord
+
+LEASE, AFTER, RF = 1500, 60_000, 3
+NOW = 200_000
+
+
+def workers(*specs: tuple[str, str, str]) -> dict[str, WorkerRecord]:
+    return {wid: WorkerRecord(wid, f"127.0.0.1:{7200 + i}", zone, state) for i, (wid, zone, state) in enumerate(specs)}
+
+
+WORKERS = workers(("w1", "a", "active"), ("w2", "b", "active"), ("w3", "c", "active"), ("w4", "a", "active"),
+                  ("w5", "c", "available"))
+
+
+def group(gid: int = 0, voters: tuple[str, ...] = ("w1", "w2", "w3"), leader: str = "w1",
+          learners: tuple[str, ...] = ()) -> GroupRecord:
+    return GroupRecord(id=gid, term=4, leader=leader, voters=list(voters), learners=list(learners), ready_term=4)
+
+
+def soft(silent: dict[str, int] | None = None, absent: tuple[str, ...] = ()) -> SoftState:
+    """Everyone heard now, but `silent` (worker -> ms since last heard) and `absent` (never heard)."""
+    s = SoftState(leader_since_ms=0)
+    for wid in WORKERS:
+        if wid in absent:
+            continue
+        s.heard_from(wid, NOW - (silent or {}).get(wid, 0), {0: GroupReport(term=4)})
+    return s
+
+
+def test_nothing_before_replace_after_ms_then_a_replica_on_the_best_worker() -> None:
+    assert repair([group()], {}, WORKERS, soft({"w3": AFTER - 1}), NOW, LEASE, AFTER, RF) == []
+    (act,) = repair([group()], {}, WORKERS, soft({"w3": AFTER}), NOW, LEASE, AFTER, RF)
+    # Zone c is the gone voter's; w5 (zone c, available, hosting nothing) keeps the zones spread.
+    assert (act.group, act.kind, act.worker) == (0, "add", "w5") and "w3 silent for 60000 ms" in act.reason
+
+
+def test_zone_spread_beats_load_and_load_beats_id() -> None:
+    gs = [group(), group(1, ("w5", "w2", "w4"), "w2")]  # w5 now hosts a replica
+    (act,) = [a for a in repair(gs, {}, WORKERS, soft({"w3": AFTER}), NOW, LEASE, AFTER, RF) if a.group == 0]
+    assert act.worker == "w5"  # the only one outside zones a and b
+    ws = dict(WORKERS, w5=WorkerRecord("w5", "x", "a", "available"))
+    (act,) = [a for a in repair(gs, {}, ws, soft({"w3": AFTER}), NOW, LEASE, AFTER, RF) if a.group == 0]
+    assert act.worker == "w4"  # zones a, a: w4 and w5 both host one; the lower id
+
+
+def test_once_the_replacement_is_a_voter_the_gone_one_is_removed() -> None:
+    g = group(voters=("w1", "w2", "w3", "w5"))
+    assert repair([g], {}, WORKERS, soft({"w3": AFTER}), NOW, LEASE, AFTER, RF) == [
+        StartOperator(0, "remove", "w3", "w3 silent for 60000 ms; the group has 3 live voters")]
+
+
+def test_declared_gone_needs_no_wait_and_never_hosts_the_replacement() -> None:
+    ws = dict(WORKERS, w3=WorkerRecord("w3", "x", "c", "removed"))
+    (act,) = repair([group()], {}, ws, soft(), NOW, LEASE, AFTER, RF)
+    assert act.kind == "add" and "w3 was declared gone" in act.reason
+    ws["w5"] = WorkerRecord("w5", "x", "c", "removed")
+    (act,) = repair([group()], {}, ws, soft(), NOW, LEASE, AFTER, RF)
+    assert act.worker == "w4"
+
+
+def test_a_group_busy_unready_or_led_by_the_gone_worker_is_left_alone() -> None:
+    s = soft({"w3": AFTER})
+    op = {0: OperatorRecord(0, "add", "w4", "catch_up")}
+    assert repair([group()], op, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+    unready = group()
+    unready.ready_term = 3
+    assert repair([unready], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+    assert repair([group(leader="w3")], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []  # failover's business
+    assert repair([group(learners=("w4",))], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+
+
+def test_one_catch_up_per_worker_and_nothing_without_a_live_candidate() -> None:
+    gs = [group(), group(1, ("w1", "w2", "w3"), "w2")]
+    acts = repair(gs, {}, WORKERS, soft({"w3": AFTER}), NOW, LEASE, AFTER, RF)
+    assert [(a.group, a.worker) for a in acts] == [(0, "w5"), (1, "w4")]
+    s = soft({"w3": AFTER, "w4": AFTER, "w5": LEASE})
+    assert repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+
+
+def test_a_new_meta_leader_counts_a_worker_it_never_heard_from_its_election() -> None:
+    s = soft(absent=("w3",))
+    s.leader_since_ms = NOW - AFTER + 1
+    assert repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+    s.leader_since_ms = NOW - AFTER
+    assert repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF)[0].kind == "add"
+
+
+def test_two_gone_voters_are_replaced_one_after_the_other_before_either_is_removed() -> None:
+    s = soft({"w2": AFTER, "w3": AFTER})
+    (act,) = repair([group(voters=("w1", "w2", "w3", "w5"))], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker) == ("add", "w4")  # 2 live of RF 3: add before removing anything
+    (act,) = repair([group(voters=("w1", "w2", "w3", "w4", "w5"))], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker) == ("remove", "w2")  # 3 live of the 4 that remain
