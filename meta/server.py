@@ -91,6 +91,8 @@ class MetaServer:
         self.g_raft_term = Gauge("shardgrid_meta_raft_term", "PySyncObj term", registry=reg)
         self.c_failovers = Counter("shardgrid_meta_failovers", "leaderships the controller moved, by cause "
                                    "(silent, restarted, unusable, unassigned, isolated)", ["cause"], registry=reg)
+        self.c_balance = Counter("shardgrid_meta_leader_balance_moves", "transfers back to a group's preferred "
+                                 "leader that leader balance started", registry=reg)
         self.c_repairs = Counter("shardgrid_meta_repairs", "replica operators the controller started to replace a "
                                  "gone voter, by kind (add, remove)", ["kind"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
@@ -564,6 +566,7 @@ class MetaServer:
                 b.started(now, sm.groups[move.group].term)
                 self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target,
                               attempt=b.attempts)
+                self.c_balance.inc()
                 actions.append(move)
         for action in actions:
             await self._execute(action)

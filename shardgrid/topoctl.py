@@ -121,22 +121,31 @@ def render_status(st: dict[str, Any]) -> str:
         state = n["role"] if n["up"] else "DOWN"
         lines.append(f"{n['id']:<8} {n['http']:<22} {state:<10} {n.get('revision', '-'):>8}")
     lines.append("")
-    lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'PREFERRED':<10} {'VOTERS':<24} LEARNERS")
+    rates = group_write_rates(st)
+    lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'PREFERRED':<10} {'VOTERS':<24} "
+                 f"{'LEARNERS':<12} WRITES/S")
     for gid, g in sorted(st["groups"].items(), key=lambda kv: int(kv[0])):
         # A '*' marks a group away from its preferred leader (leader balance moves it back).
         pref = g.get("preferred_leader") or "-"
         if g.get("preferred_leader") and g["preferred_leader"] != g["leader"]:
             pref += "*"
+        rate = rates.get(str(gid))
         lines.append(f"{gid:<6} {g['term']:>5} {g['leader'] or '-':<10} {'yes' if g['ready'] else 'no':<6} "
-                     f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-'}")
+                     f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-':<12} "
+                     f"{'?' if rate is None else f'{rate:.0f}'}")
     lines.append("")
-    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'LIVE':<5} CAPACITY")
+    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'LIVE':<5} {'GROUPS':>6} {'LEADS':>5} "
+                 f"{'WRITES/S':>8}  CAPACITY")
     for wid, w in sorted(st["workers"].items()):
         live = {True: "yes", False: "no"}.get(w.get("live"), "?")
         offered = [f"{what} {format_bytes(n)}" for what, n in (("ram", w.get("ram_bytes") or 0),
                                                                  ("disk", w.get("disk_bytes") or 0)) if n]
-        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} "
-                     f"{', '.join(offered) or '-'}")
+        hosted = sum(1 for g in st["groups"].values() if wid in (*g["voters"], *g["learners"]))
+        leads = [str(gid) for gid, g in st["groups"].items() if g["leader"] == wid]
+        led_rates = [rates.get(gid) for gid in leads]
+        rate = "?" if any(r is None for r in led_rates) else f"{sum(r for r in led_rates if r is not None):.0f}"
+        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} {hosted:>6} "
+                     f"{len(leads):>5} {rate:>8}  {', '.join(offered) or '-'}")
     lines.append("")
     problems = replica_problems(st)
     if problems is None:
@@ -148,6 +157,18 @@ def render_status(st: dict[str, Any]) -> str:
         for wid, gid, state, why in problems:
             lines.append(f"{wid:<17} {gid:<6} {state:<10} {why}")
     return "\n".join(lines)
+
+
+def group_write_rates(st: dict[str, Any]) -> dict[str, float]:
+    """Acknowledged writes/s per group, as its leader last reported them (only
+    the meta leader's view carries reports; a group missing here is unknown)."""
+    out: dict[str, float] = {}
+    workers = st.get("workers") or {}
+    for gid, g in st["groups"].items():
+        rep = ((workers.get(g["leader"] or "") or {}).get("report") or {}).get("groups", {}).get(str(gid))
+        if isinstance(rep, dict) and rep.get("role") == "leader" and isinstance(rep.get("write_rate"), (int, float)):
+            out[str(gid)] = float(rep["write_rate"])
+    return out
 
 
 def replica_problems(st: dict[str, Any]) -> list[tuple[str, str, str, str]] | None:

@@ -83,5 +83,24 @@ def test_status_shows_what_each_worker_offers() -> None:
     st = _with_reports({"w1": ..., "w4": ...})
     st["workers"]["w4"].update(state="available", ram_bytes=8 * 10**9, disk_bytes=50 * 10**9)
     rows = {line.split()[0]: line for line in render_status(st).splitlines() if line.startswith("w")}
-    assert rows["w4"].split(None, 5)[5] == "ram 8 GB, disk 50 GB" and "available" in rows["w4"]
+    assert rows["w4"].split(None, 8)[8] == "ram 8 GB, disk 50 GB" and "available" in rows["w4"]
     assert rows["w1"].rstrip().endswith("-")
+
+
+def test_status_shows_load_per_group_and_per_worker() -> None:
+    st = _with_reports({"w1": {"groups": {"0": {**_healthy(), "role": "leader", "write_rate": 120.4},
+                                          "1": _healthy()}},
+                        "w2": {"groups": {"1": {**_healthy(), "role": "leader", "write_rate": 30.0},
+                                          "0": _healthy()}}})
+    st["groups"] = {"0": {"term": 3, "leader": "w1", "ready": True, "preferred_leader": "w1",
+                          "voters": ["w1", "w2"], "learners": []},
+                    "1": {"term": 3, "leader": "w2", "ready": True, "preferred_leader": "w2",
+                          "voters": ["w1", "w2"], "learners": []},
+                    "2": {"term": 3, "leader": "w2", "ready": True, "preferred_leader": "w2",
+                          "voters": ["w2"], "learners": []}}
+    lines = render_status(st).splitlines()
+    groups = {ln.split()[0]: ln.split() for ln in lines if ln[:1].isdigit()}
+    assert groups["0"][-1] == "120" and groups["1"][-1] == "30" and groups["2"][-1] == "?"  # 2: no report
+    workers = {ln.split()[0]: ln.split() for ln in lines if ln.startswith("w")}
+    assert workers["w1"][5:8] == ["2", "1", "120"]  # groups hosted, leaderships, writes/s led
+    assert workers["w2"][5:8] == ["3", "2", "?"]  # it leads group 2, whose rate is unknown
