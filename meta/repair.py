@@ -41,6 +41,8 @@ class StartOperator:
     kind: str  # "add" | "remove"
     worker: str
     reason: str
+    replaces: str | None = None  # an add that takes a gone voter's place (in the group's desired placement)
+    by: str = "repair"  # which rule started it: repair | reconcile
 
 
 def gone_for(soft: SoftState, worker: WorkerRecord | None, wid: str, now_ms: int, replace_after_ms: int) -> bool:
@@ -96,5 +98,5 @@ def repair(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord
         target = replacement(g, groups, workers, soft, now_ms, lease_ms, busy)
         if target is not None:
             busy[target] += 1
-            actions.append(StartOperator(g.id, "add", target, f"{why}; replacing it on {target}"))
+            actions.append(StartOperator(g.id, "add", target, f"{why}; replacing it on {target}", replaces=gone[0]))
     return actions

@@ -23,6 +23,7 @@ from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeade
                              UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
                              report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
+from meta.reconcile import reconcile
 from meta.repair import StartOperator, repair
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
@@ -93,8 +94,9 @@ class MetaServer:
                                    "(silent, restarted, unusable, unassigned, isolated)", ["cause"], registry=reg)
         self.c_balance = Counter("shardgrid_meta_leader_balance_moves", "transfers back to a group's preferred "
                                  "leader that leader balance started", registry=reg)
-        self.c_repairs = Counter("shardgrid_meta_repairs", "replica operators the controller started to replace a "
-                                 "gone voter, by kind (add, remove)", ["kind"], registry=reg)
+        self.c_placement = Counter("shardgrid_meta_placement_steps", "replica operators the controller started, by "
+                                   "rule (repair: a gone voter; reconcile: the desired placement) and kind (add, "
+                                   "remove)", ["by", "kind"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
@@ -411,7 +413,7 @@ class MetaServer:
         if op is None:
             raise ApiError("not_found", f"group {gid} has no operator in progress")
         result = await self._submit({"op": "update_operator", "group": gid, "kind": op.kind, "worker": op.worker,
-                                     "step": op.step, "done": True})
+                                     "step": op.step, "done": True, "cancelled": True})
         self._raise_failed(result)
         # Every step is a single committed membership change, so stopping
         # between steps leaves the group consistent (perhaps with a learner).
@@ -553,10 +555,15 @@ class MetaServer:
                 actions.extend(advance_operator(op, group, self.soft, now, lease))
         topo = sm.topology
         if topo is not None:
+            # Repair first (a gone voter), then the applied placement: one operator per group.
             replace_after = int(topo["settings"].get("replace_after_ms", 60_000))
-            actions.extend(s for s in repair(list(sm.groups.values()), sm.operators, sm.workers, self.soft, now,
-                                             lease, replace_after, int(topo["replication_factor"]))
-                           if s.group not in self._busy_groups)
+            groups = list(sm.groups.values())
+            moves = repair(groups, sm.operators, sm.workers, self.soft, now, lease, replace_after,
+                           int(topo["replication_factor"]))
+            moved = {s.group for s in moves}
+            moves += [s for s in reconcile(groups, sm.operators, sm.workers, self.soft, now, lease)
+                      if s.group not in moved]
+            actions.extend(s for s in moves if s.group not in self._busy_groups)
         if not actions and not self._busy_groups and self._balance_idle(now):
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
@@ -615,14 +622,17 @@ class MetaServer:
             self.log.info("operator_step", group=action.group, kind=action.kind, worker=action.worker,
                           step=action.step, message=action.message, done=action.done, ok=result.get("ok"))
         elif isinstance(action, StartOperator):
+            g = self.raft.sm.groups.get(action.group)
+            step = "add_learner" if action.kind == "add" else \
+                "transfer" if g is not None and g.leader == action.worker else "remove"
             cmd = {"op": "put_operator", "group": action.group, "kind": action.kind, "worker": action.worker,
-                   "step": "add_learner" if action.kind == "add" else "remove", "message": action.reason,
+                   "step": step, "message": action.reason, "replaces": action.replaces,
                    "started_ms": int(time.time() * 1000)}
             result = await self._submit(cmd)
-            self.log.info("repair_started", group=action.group, kind=action.kind, worker=action.worker,
-                          reason=action.reason, ok=result.get("ok"), code=result.get("code"))
+            self.log.info("placement_step_started", by=action.by, group=action.group, kind=action.kind,
+                          worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
-                self.c_repairs.labels(action.kind).inc()
+                self.c_placement.labels(action.by, action.kind).inc()
         elif isinstance(action, (ChangeMembers, StartTransfer)):
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))

@@ -47,6 +47,11 @@ class GroupRecord:
     preferred_leader: str | None = None
     # The term whose leader finished the start-of-term protocol (0 = none yet).
     ready_term: int = 0
+    # Where the group should live: the applied topology's placement, as the
+    # replica verbs and repair have edited it since (meta/reconcile.py drives
+    # the voters there). A plain default, not a factory: a record pickled
+    # before it existed reads () -- nothing to reconcile until the next apply.
+    desired: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -136,12 +141,13 @@ class MetaStateMachine:
             current = self.groups.get(g.id)
             if current is None:
                 self.groups[g.id] = GroupRecord(id=g.id, term=1, leader=g.leader, voters=list(g.replicas),
-                                                preferred_leader=g.leader)
+                                                preferred_leader=g.leader, desired=tuple(g.replicas))
                 created.append(g.id)
             else:
                 # Replica and leader moves of a live group are staged by the
-                # controller's reconcile; the topology records the intent.
+                # controller (reconcile, leader balance) toward these.
                 current.preferred_leader = g.leader
+                current.desired = tuple(g.replicas)
         return ok(topology_revision=self.topology_revision, created_groups=created)
 
     def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -234,7 +240,20 @@ class MetaStateMachine:
                         f"{current.worker} at step {current.step}", operator=asdict(current))
         self.operators[gid] = OperatorRecord(gid, cmd["kind"], cmd["worker"], cmd["step"], cmd.get("message", ""),
                                              cmd.get("started_ms", 0))
+        # The placement the group should converge to changes with the
+        # operator (a verb, or repair replacing a gone voter): otherwise
+        # reconcile would undo it once it is done.
+        self._edit_desired(self.groups[gid], cmd["kind"], cmd["worker"], cmd.get("replaces"))
         return ok(operator=asdict(self.operators[gid]))
+
+    @staticmethod
+    def _edit_desired(g: GroupRecord, kind: str, worker: str, replaces: str | None = None) -> None:
+        if not g.desired:
+            return  # nothing applied since this record was made: no placement to edit
+        want = [w for w in g.desired if w != worker and w != replaces]
+        if kind == "add":
+            want.append(worker)
+        g.desired = tuple(want)
 
     def _cmd_update_operator(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = self.operators.get(cmd["group"])
@@ -242,6 +261,10 @@ class MetaStateMachine:
             return fail("conflict", "that operator is no longer in progress")
         if cmd.get("done"):
             del self.operators[cmd["group"]]
+            if cmd.get("cancelled"):
+                # Undo what starting it did to the placement: a cancelled
+                # add must not be started again by reconcile (nor a removal).
+                self._edit_desired(self.groups[cmd["group"]], "remove" if op.kind == "add" else "add", op.worker)
             return ok(done=True)
         if op.step == cmd["step"] and op.message == cmd.get("message", ""):
             return ok(changed=False)

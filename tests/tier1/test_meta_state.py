@@ -148,3 +148,15 @@ def test_register_without_zone_keeps_the_topology_zone(sm: MetaStateMachine) -> 
     assert sm.workers["w2"].zone == "b"
     sm.apply({"op": "register_worker", "id": "w9", "addr": "127.0.0.1:7209", "zone": None})
     assert sm.workers["w9"].zone == "default"
+
+
+def test_apply_sets_each_live_groups_desired_placement(sm: MetaStateMachine) -> None:
+    assert all(g.desired == ("w1", "w2", "w3") for g in sm.groups.values())
+    moved = EXAMPLE.replace("  - {id: w3, http: 127.0.0.1:7203, zone: c}",
+                            "  - {id: w3, http: 127.0.0.1:7203, zone: c}\n  - {id: w4, http: 127.0.0.1:7204, zone: c}")
+    moved = moved.replace("{id: 0, leader: w1, replicas: [w1, w2, w3]}", "{id: 0, leader: w1, replicas: [w1, w2, w4]}")
+    assert moved.count("w4") == 2
+    assert put(sm, moved, 1)["ok"]
+    g = sm.groups[0]
+    # The voters stay until reconcile moves them; the placement is what it drives to.
+    assert (g.voters, g.desired, sm.groups[1].desired) == (["w1", "w2", "w3"], ("w1", "w2", "w4"), ("w1", "w2", "w3"))
