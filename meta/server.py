@@ -33,7 +33,7 @@ from shardgrid.wire import LOGGER_KEY, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import GroupSpec, Topology
-from topology.plan import action_to_dict, plan, render_plan
+from topology.plan import action_to_dict, other_changes, plan, render_action, render_plan
 
 MAX_TOPOLOGY_BYTES = 1 << 20
 MAX_WATCH_S = 60.0
@@ -247,8 +247,10 @@ class MetaServer:
             current = [GroupSpec(g.id, g.leader or "", tuple(g.voters)) for g in sm.groups.values()]
             actions = plan(current, desired.groups)
             unchanged = sm.topology == desired.to_dict()
+            others = other_changes(sm.topology, desired.to_dict())
+            text = "\n".join([render_action(a) for a in actions] + others) or render_plan(actions)
             answer = {"dry_run": dry_run, "changed": not unchanged, "plan": [action_to_dict(a) for a in actions],
-                      "plan_text": render_plan(actions), "topology_revision": sm.topology_revision}
+                      "changes": others, "plan_text": text, "topology_revision": sm.topology_revision}
             if dry_run or unchanged:
                 return json_response(answer)
             result = await self._submit({"op": "put_topology", "text": body.decode("utf-8"),

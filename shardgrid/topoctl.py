@@ -31,6 +31,8 @@ from topology.loader import load_topology
 DEFAULT_META = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
 EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
+EXIT_NOT_CONVERGED = 4  # applied, but the cluster had not converged when the wait ended
+POLL_S = 0.5
 
 
 def _out(line: str = "") -> None:
@@ -79,7 +81,68 @@ async def cmd_apply(args: argparse.Namespace) -> int:
             return 0
         result = await client.put_topology(text, expect_revision=preview["topology_revision"])
         _out(f"applied: topology revision {result['topology_revision']} (cluster revision {result.get('revision')})")
-        return 0
+        moves = [a for a in preview.get("plan", []) if a.get("kind") in ("add_replica", "remove_replica",
+                                                                          "move_leader")]
+        if args.no_wait:
+            return 0
+        if not moves:
+            # New groups (or settings): nothing live moves. A new group gets
+            # its leader when its workers start.
+            return 0
+        _out(f"following {len(moves)} move(s) until the cluster converges (--no-wait to return now):")
+        return await follow_convergence(client, args.wait)
+
+
+def pending(view: dict[str, Any]) -> dict[str, str]:
+    """What keeps each group from its desired state, by group id (empty: converged).
+
+    A group has converged when its voters are its desired placement, it has
+    no learner and no operator, it has a ready leader, and that leader is its
+    preferred one (leader balance moves it there once the worker has been up
+    and caught up for a while)."""
+    out: dict[str, str] = {}
+    ops = view.get("operators") or {}
+    for gid, g in sorted(view["groups"].items(), key=lambda kv: int(kv[0])):
+        op = ops.get(str(gid)) or ops.get(gid)
+        desired = g.get("desired") or []
+        if op is not None:
+            out[str(gid)] = f"{op['kind']} {op['worker']}: {op['step']}" + (f": {op['message']}" if op["message"] else "")
+        elif desired and sorted(g["voters"]) != sorted(desired):
+            out[str(gid)] = f"voters {','.join(g['voters'])}, desired {','.join(desired)}: waiting for a step to start"
+        elif g["learners"]:
+            out[str(gid)] = f"learners {','.join(g['learners'])} to promote or remove"
+        elif not g["ready"]:
+            out[str(gid)] = "no ready leader"
+        elif g.get("preferred_leader") and g["leader"] != g["preferred_leader"]:
+            out[str(gid)] = f"leader {g['leader']}, preferred {g['preferred_leader']}: leader balance moves it " \
+                            "once that worker is caught up"
+    return out
+
+
+async def follow_convergence(client: MetaClient, wait_s: float) -> int:
+    """Print each group's progress until every group has converged (0), or
+    the wait ends (EXIT_NOT_CONVERGED; nothing is cancelled)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    shown: dict[str, str] = {}
+    while True:
+        view = await client.cluster()
+        now = pending(view)
+        for gid, what in now.items():
+            if shown.get(gid) != what:
+                _out(f"  group {gid}: {what}")
+        for gid in sorted(set(shown) - set(now), key=int):
+            g = view["groups"][gid]
+            _out(f"  group {gid}: converged (voters {','.join(g['voters'])}; leader {g['leader']})")
+        shown = now
+        if not now:
+            _out("converged")
+            return 0
+        if loop.time() > deadline:
+            _err(f"topoctl: applied, but not converged after {wait_s:.0f} s: {len(now)} group(s) still moving "
+                 "(topoctl operators, topoctl status); nothing was cancelled")
+            return EXIT_NOT_CONVERGED
+        await asyncio.sleep(POLL_S)
 
 
 # -- status ----------------------------------------------------------------------
@@ -299,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
     a.add_argument("file")
     a.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    a.add_argument("--no-wait", action="store_true", help="return once applied, without following the moves")
+    a.add_argument("--wait", type=float, default=600.0,
+                   help=f"seconds to follow the moves until converged (default 600); exit {EXIT_NOT_CONVERGED} "
+                        "when they have not finished by then")
     a.set_defaults(func=cmd_apply)
     s = sub.add_parser("status", help="meta nodes, groups and workers")
     s.add_argument("--json", action="store_true", help="machine-readable output")

@@ -100,6 +100,33 @@ def render_plan(actions: Sequence[Action]) -> str:
     return "\n".join(render_action(a) for a in actions)
 
 
+def other_changes(current: dict[str, Any] | None, desired: dict[str, Any]) -> list[str]:
+    """What else the file changes besides groups, one line each: settings,
+    workers joining or leaving the file, and any other top-level field (so a
+    file that changes something is never shown as "no changes")."""
+    if current is None:
+        return []
+    lines: list[str] = []
+    old_s, new_s = current.get("settings") or {}, desired.get("settings") or {}
+    for key in sorted(set(old_s) | set(new_s)):
+        if old_s.get(key) != new_s.get(key):
+            lines.append(f"~ settings.{key}: {old_s.get(key)} -> {new_s.get(key)}")
+    old_w = {w["id"]: w for w in current.get("workers") or []}
+    new_w = {w["id"]: w for w in desired.get("workers") or []}
+    for wid in sorted(set(new_w) - set(old_w)):
+        lines.append(f"+ worker {wid} ({new_w[wid]['http']}, zone {new_w[wid]['zone']})")
+    for wid in sorted(set(old_w) - set(new_w)):
+        lines.append(f"- worker {wid} (leaves the file; its replicas move to the placement above)")
+    for wid in sorted(set(old_w) & set(new_w)):
+        if old_w[wid] != new_w[wid]:
+            lines.append(f"~ worker {wid}: {old_w[wid]['http']}, zone {old_w[wid]['zone']} -> "
+                         f"{new_w[wid]['http']}, zone {new_w[wid]['zone']}")
+    for key in sorted(set(current) | set(desired)):
+        if key not in ("settings", "workers", "groups", "groups_explicit") and current.get(key) != desired.get(key):
+            lines.append(f"~ {key} changed")
+    return lines
+
+
 def action_to_dict(a: Action) -> dict[str, Any]:
     kind = _KINDS.get(type(a))
     if kind is None:

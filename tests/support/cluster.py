@@ -172,7 +172,8 @@ class Cluster:
         """Meta nodes, the topology applied, workers with ready leaders, then gateways."""
         self.start_meta()
         self.wait_leader()
-        res = self.topoctl("apply", str(self.write_topology(topology)))
+        # --no-wait: nothing can converge before the workers start.
+        res = self.topoctl("apply", str(self.write_topology(topology)), "--no-wait")
         assert res.returncode == 0, res.stderr
         self.start_workers()
         self.wait_groups_ready(timeout=30)

@@ -292,3 +292,10 @@ async def test_worker_gone_is_refused_for_a_live_or_unknown_worker(api: TestClie
     assert r.status == 200 and await r.json() == {"worker": "w7", "state": "removed"}
     view = await (await api.get("/v1/cluster")).json()
     assert view["workers"]["w7"]["state"] == "removed"
+
+
+async def test_a_settings_change_is_in_the_plan_never_no_changes(api: TestClient) -> None:
+    assert (await put(api, EXAMPLE)).status == 200
+    changed = EXAMPLE.replace("lease_ms: 1500", "lease_ms: 1400")
+    body = await (await put(api, changed, dry_run="1")).json()
+    assert body["changed"] and body["plan"] == [] and body["plan_text"] == "~ settings.lease_ms: 1500 -> 1400"

@@ -167,3 +167,22 @@ def test_replaying_a_plan_is_safe_and_reaches_desired(case: tuple[list[GroupSpec
             state[a.group] = (a.to_worker, replicas)
     assert state == {g.id: (g.leader, set(g.replicas)) for g in desired}
     assert plan(desired, desired) == []
+
+
+def test_other_changes_name_settings_workers_and_the_rest() -> None:
+    from topology.plan import other_changes
+
+    old = {"cluster": "c", "settings": {"lease_ms": 1500, "ack": "quorum"},
+           "workers": [{"id": "w1", "http": "h:1", "zone": "a"}, {"id": "w3", "http": "h:3", "zone": "c"}],
+           "groups": [], "plugin": "entities"}
+    new = {"cluster": "c", "settings": {"lease_ms": 1400, "ack": "quorum"},
+           "workers": [{"id": "w1", "http": "h:9", "zone": "a"}, {"id": "w4", "http": "h:4", "zone": "c"}],
+           "groups": [], "plugin": "layers"}
+    assert other_changes(old, new) == [
+        "~ settings.lease_ms: 1500 -> 1400",
+        "+ worker w4 (h:4, zone c)",
+        "- worker w3 (leaves the file; its replicas move to the placement above)",
+        "~ worker w1: h:1, zone a -> h:9, zone a",
+        "~ plugin changed",
+    ]
+    assert other_changes(old, old) == [] and other_changes(None, new) == []

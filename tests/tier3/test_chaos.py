@@ -421,3 +421,35 @@ def test_9_a_voter_that_never_comes_back_is_replaced(tmp_path: Path) -> None:
         assert took >= 4.0, f"replaced after {took:.1f} s, before replace_after_ms"
     finally:
         c.close()
+
+
+def test_10_apply_moves_a_replica_and_a_leader_and_waits_until_converged(tmp_path: Path) -> None:
+    """kubectl semantics under load: the file moves group 0's replica from w3 to w4
+    and group 2's leadership to w1; `topoctl apply` follows the moves and exits 0 once
+    the cluster matches the file. Nothing lost, no client error."""
+    c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
+    try:
+        c.boot(c.topology_yaml(snapshot_every=500, groups=GROUPS), gateways=True)
+        load = Background(LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=101))
+        try:
+            load.wait_more(600)  # past snapshot_every: w4 starts from a snapshot
+            moved = [(0, "w1", ["w1", "w2", "w4"]), (1, "w2", ["w1", "w2", "w3"]), (2, "w1", ["w1", "w2", "w3"])]
+            path = c.write_topology(c.topology_yaml(snapshot_every=500, groups=moved), "moved.yaml")
+            res = c.topoctl("apply", str(path), "--wait", "120", timeout=150)
+            assert res.returncode == 0, res.stdout + res.stderr
+            out = res.stdout
+            assert "+ group 0: add replica w4" in out and "- group 0: remove replica w3" in out
+            assert "~ group 2: move leader w3 -> w1" in out and out.rstrip().endswith("converged"), out
+            v = c.view()
+            assert sorted(v["groups"]["0"]["voters"]) == ["w1", "w2", "w4"] and not v["operators"]
+            assert v["groups"]["2"]["leader"] == "w1" and v["groups"]["2"]["ready"]
+            again = c.topoctl("apply", str(path))
+            assert again.returncode == 0 and "topology unchanged" in again.stdout
+            load.wait_more(300)
+        finally:
+            result = load.finish()
+        assert sum(result.errors.values()) == 0, f"client-visible errors: {result.errors}"
+        print(f"\n{out}")
+        judge(c, result, "apply-converges")
+    finally:
+        c.close()
