@@ -344,11 +344,12 @@ def record_members(groups: Sequence[GroupRecord], soft: SoftState) -> list[Recor
 
 
 def best_transfer_target(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int,
-                         exclude: str | None = None) -> str | None:
-    """The live, most caught-up voter other than the leader (and `exclude`)."""
+                         exclude: str | frozenset[str] | None = None) -> str | None:
+    """The live, most caught-up voter other than the leader (and `exclude`: one or several)."""
+    skip = {exclude} if isinstance(exclude, str) else set(exclude or ())
     best: tuple[int, int, str] | None = None
     for v in group.voters:
-        if v in (group.leader, exclude) or not is_live(soft, v, now_ms, lease_ms):
+        if v == group.leader or v in skip or not is_live(soft, v, now_ms, lease_ms):
             continue
         rep = report_of(soft, v, group.id)
         seq = rep.last_seq if rep is not None else -1
@@ -412,20 +413,21 @@ def advance_operator(op: OperatorRecord, group: GroupRecord, soft: SoftState, no
 
 
 def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int,
-              busy: frozenset[int] = frozenset()) -> list[StartTransfer]:
+              busy: frozenset[int] = frozenset(), unwanted: frozenset[str] = frozenset()) -> list[StartTransfer]:
     """At most one transfer back to a preferred leader (lowest group id first).
 
     Only for a ready group with a live leader and no operator or call in
     progress (`busy`), whose preferred leader is a voter, live without a gap for
     REBALANCE_AFTER_MS, reports the group's current term, is not re-syncing,
-    and is within the transfer lag of the leader's commit.
+    and is within the transfer lag of the leader's commit, and is not a
+    worker on its way out (`unwanted`: draining, drained, removed).
     """
     if now_ms - soft.leader_since_ms < max(lease_ms, REBALANCE_AFTER_MS):
         return []
     for g in sorted(groups, key=lambda g: g.id):
         pref = g.preferred_leader
         if not g.ready or g.leader is None or pref is None or pref == g.leader or pref not in g.voters \
-                or g.id in busy or not is_live(soft, g.leader, now_ms, lease_ms):
+                or g.id in busy or pref in unwanted or not is_live(soft, g.leader, now_ms, lease_ms):
             continue  # (a silent leader is failover's business)
         moved = soft.isolation_moved_ms.get(g.id)
         if moved is not None and now_ms - moved < max(ISOLATION_HOLD_LEASES * lease_ms, REBALANCE_AFTER_MS):

@@ -1,4 +1,4 @@
-"""Automatic repair: a voter whose worker is gone gets replaced. Pure decisions.
+"""Automatic repair and drain: a voter whose worker is leaving gets replaced. Pure decisions.
 
 A voter whose worker meta has not heard from for `settings.replace_after_ms`
 (or that an operator declared gone: `topoctl worker gone W`, state
@@ -15,6 +15,11 @@ move:
 2. once the group has RF live voters, remove the gone voter (it is not the
    leader: a gone leader was failed over long before).
 
+Drain (`topoctl drain W`, state `draining`) uses the same steps for a live
+worker that should leave: its leaderships are handed to the most caught-up
+other voter first (StartTransfer), then its replicas are replaced as above;
+once it hosts nothing, it is marked `drained` (SetWorkerState).
+
 Only a ready group with a live leader and no operator in progress is
 touched, and only while the other voters keep a majority. TiKV's PD waits 30
 minutes and Elasticsearch 1 minute before replacing a down node; the wait
@@ -26,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from meta.controller import SoftState, heard_live, is_live
+from meta.controller import SoftState, StartTransfer, best_transfer_target, heard_live, is_live
 from meta.state import GroupRecord, OperatorRecord, WorkerRecord
 
 # Worker states a replacement may come from.
@@ -42,7 +47,19 @@ class StartOperator:
     worker: str
     reason: str
     replaces: str | None = None  # an add that takes a gone voter's place (in the group's desired placement)
-    by: str = "repair"  # which rule started it: repair | reconcile
+    by: str = "repair"  # which rule started it: repair | drain | reconcile
+
+
+@dataclass(frozen=True)
+class SetWorkerState:
+    worker: str
+    state: str
+    reason: str
+
+
+def draining(workers: Mapping[str, WorkerRecord], wid: str) -> bool:
+    w = workers.get(wid)
+    return w is not None and w.state == "draining"
 
 
 def gone_for(soft: SoftState, worker: WorkerRecord | None, wid: str, now_ms: int, replace_after_ms: int) -> bool:
@@ -56,10 +73,13 @@ def gone_for(soft: SoftState, worker: WorkerRecord | None, wid: str, now_ms: int
 
 
 def replacement(group: GroupRecord, groups: Sequence[GroupRecord], workers: Mapping[str, WorkerRecord],
-                soft: SoftState, now_ms: int, lease_ms: int, busy: Counter[str]) -> str | None:
-    """The worker that should take a new replica of `group`, or None."""
+                soft: SoftState, now_ms: int, lease_ms: int, busy: Counter[str],
+                leaving: frozenset[str] = frozenset()) -> str | None:
+    """The worker that should take a new replica of `group`, or None. The zones
+    of the voters that stay (live, not `leaving`) are the ones to avoid."""
     members = set(group.voters) | set(group.learners)
-    zones = {workers[v].zone for v in group.voters if v in workers and heard_live(soft, v, now_ms, lease_ms)}
+    zones = {workers[v].zone for v in group.voters
+             if v in workers and v not in leaving and heard_live(soft, v, now_ms, lease_ms)}
     hosted = Counter(w for g in groups for w in (*g.voters, *g.learners))
     best: tuple[bool, int, str] | None = None
     for w in workers.values():
@@ -73,30 +93,44 @@ def replacement(group: GroupRecord, groups: Sequence[GroupRecord], workers: Mapp
 
 def repair(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord],
            workers: Mapping[str, WorkerRecord], soft: SoftState, now_ms: int, lease_ms: int,
-           replace_after_ms: int, rf: int) -> list[StartOperator]:
-    """The repair steps to start now, in group order (one per group)."""
-    actions: list[StartOperator] = []
+           replace_after_ms: int, rf: int) -> list[StartOperator | StartTransfer | SetWorkerState]:
+    """The repair and drain steps to start now, in group order (one per group),
+    then the draining workers that host nothing any more."""
+    actions: list[StartOperator | StartTransfer | SetWorkerState] = []
     # Workers receiving a replica already (one catch-up at a time each).
     busy = Counter(op.worker for op in operators.values() if op.kind == "add")
     for g in sorted(groups, key=lambda g: g.id):
         if g.id in operators or not g.ready or g.leader is None or not is_live(soft, g.leader, now_ms, lease_ms):
             continue
+        if draining(workers, g.leader):
+            leaving = frozenset(v for v in g.voters if v not in workers or workers[v].state not in PLACEABLE)
+            target = best_transfer_target(g, soft, now_ms, lease_ms, exclude=leaving)
+            if target is not None:
+                actions.append(StartTransfer(g.id, g.leader, target))
+            continue
         gone = [v for v in g.voters if v != g.leader
-                and gone_for(soft, workers.get(v), v, now_ms, replace_after_ms)]
+                and (draining(workers, v) or gone_for(soft, workers.get(v), v, now_ms, replace_after_ms))]
         if not gone:
             continue
-        why = (f"{gone[0]} was declared gone" if workers.get(gone[0]) is not None
-               and workers[gone[0]].state == "removed" else f"{gone[0]} silent for {replace_after_ms} ms")
+        state = workers[gone[0]].state if gone[0] in workers else ""
+        why = {"removed": f"{gone[0]} was declared gone", "draining": f"{gone[0]} is draining"}.get(
+            state, f"{gone[0]} silent for {replace_after_ms} ms")
+        by = "drain" if state == "draining" else "repair"
         live = [v for v in g.voters if v not in gone and heard_live(soft, v, now_ms, lease_ms)]
         if len(live) >= rf:
             remaining = len(g.voters) - 1
             if len(live) >= remaining // 2 + 1:
-                actions.append(StartOperator(g.id, "remove", gone[0], f"{why}; the group has {len(live)} live voters"))
+                actions.append(StartOperator(g.id, "remove", gone[0], f"{why}; the group has {len(live)} live voters",
+                                             by=by))
             continue
         if g.learners:
             continue  # a learner is on its way (an operator cancelled half-way): let it be promoted or removed
-        target = replacement(g, groups, workers, soft, now_ms, lease_ms, busy)
+        target = replacement(g, groups, workers, soft, now_ms, lease_ms, busy, frozenset(gone))
         if target is not None:
             busy[target] += 1
-            actions.append(StartOperator(g.id, "add", target, f"{why}; replacing it on {target}", replaces=gone[0]))
+            actions.append(StartOperator(g.id, "add", target, f"{why}; replacing it on {target}", replaces=gone[0],
+                                         by=by))
+    hosting = {w for g in groups for w in (*g.voters, *g.learners)} | {op.worker for op in operators.values()}
+    actions += [SetWorkerState(w.id, "drained", f"{w.id} hosts no replica any more")
+                for w in sorted(workers.values(), key=lambda w: w.id) if w.state == "draining" and w.id not in hosting]
     return actions

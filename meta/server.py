@@ -24,7 +24,7 @@ from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeade
                              report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
-from meta.repair import StartOperator, repair
+from meta.repair import SetWorkerState, StartOperator, repair
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
 from shardgrid.httpmetrics import HttpMetrics
@@ -126,6 +126,8 @@ class MetaServer:
         r.add_post("/v1/workers/register", self.register_worker)
         r.add_post("/v1/workers/{wid}/heartbeat", self.heartbeat)
         r.add_post("/v1/workers/{wid}/gone", self.worker_gone)
+        r.add_post("/v1/workers/{wid}/drain", self.worker_drain)
+        r.add_post("/v1/workers/{wid}/undrain", self.worker_undrain)
         app.on_startup.append(self._start_controller)
         app.on_cleanup.append(self._stop_controller)
         return app
@@ -480,9 +482,7 @@ class MetaServer:
         voters now instead of after settings.replace_after_ms."""
         check_bearer(request.headers.get("Authorization"), self.config.admin_token)
         soft = self._require_leader()
-        wid = request.match_info["wid"]
-        if wid not in self.raft.sm.workers:
-            raise ApiError("not_found", f"no worker {wid!r}")
+        wid = self._worker_id(request)
         seen = soft.workers.get(wid)
         now = _now_ms()
         if heard_live(soft, wid, now, self._lease_ms()) and seen is not None:
@@ -492,6 +492,40 @@ class MetaServer:
         self._raise_failed(result)
         self.log.info("worker_gone", worker=wid)
         return json_response({"worker": wid, "state": "removed"})
+
+    async def worker_drain(self, request: web.Request) -> web.Response:
+        """Take a worker out of service: the controller hands its leaderships
+        over, replaces its replicas, then marks it `drained` (meta/repair.py)."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        wid = self._worker_id(request)
+        rec = self.raft.sm.workers[wid]
+        if rec.state in ("draining", "drained"):
+            return json_response({"worker": wid, "state": rec.state, "changed": False})
+        if rec.state == "removed":
+            raise ApiError("bad_request", f"{wid} was declared gone: its replicas are being replaced already")
+        self._raise_failed(await self._submit({"op": "set_worker_state", "id": wid, "state": "draining"}))
+        self.log.info("worker_draining", worker=wid)
+        return json_response({"worker": wid, "state": "draining", "changed": True})
+
+    async def worker_undrain(self, request: web.Request) -> web.Response:
+        """Make a drained (or draining) worker eligible for replicas and leaderships again."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        wid = self._worker_id(request)
+        topo = self.raft.sm.topology or {}
+        declared = any(w["id"] == wid for w in topo.get("workers", []))
+        state = "active" if declared else "available"
+        rec = self.raft.sm.workers[wid]
+        if rec.state not in ("draining", "drained"):
+            raise ApiError("bad_request", f"{wid} is {rec.state}, not draining or drained")
+        self._raise_failed(await self._submit({"op": "set_worker_state", "id": wid, "state": state}))
+        self.log.info("worker_undrained", worker=wid, state=state)
+        return json_response({"worker": wid, "state": state})
+
+    def _worker_id(self, request: web.Request) -> str:
+        wid = request.match_info["wid"]
+        if wid not in self.raft.sm.workers:
+            raise ApiError("not_found", f"no worker {wid!r}")
+        return wid
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         if not self.raft.is_leader() or self.soft is None:
@@ -562,15 +596,17 @@ class MetaServer:
             groups = list(sm.groups.values())
             moves = repair(groups, sm.operators, sm.workers, self.soft, now, lease, replace_after,
                            int(topo["replication_factor"]))
-            moved = {s.group for s in moves}
+            moved = {s.group for s in moves if not isinstance(s, SetWorkerState)}
             moves += [s for s in reconcile(groups, sm.operators, sm.workers, self.soft, now, lease)
                       if s.group not in moved]
-            actions.extend(s for s in moves if s.group not in self._busy_groups)
+            actions.extend(s for s in moves if isinstance(s, SetWorkerState) or s.group not in self._busy_groups)
         if not actions and not self._busy_groups and self._balance_idle(now):
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
             held = {g for g, b in self._balance.items() if now < b.retry_at}
-            for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators))):
+            unwanted = frozenset(w.id for w in sm.workers.values() if w.state in ("draining", "drained", "removed"))
+            for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators)),
+                                  unwanted):
                 b = self._balance.setdefault(move.group, _BalanceMove())
                 b.started(now, sm.groups[move.group].term)
                 self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target,
@@ -623,6 +659,10 @@ class MetaServer:
                                          "done": action.done})
             self.log.info("operator_step", group=action.group, kind=action.kind, worker=action.worker,
                           step=action.step, message=action.message, done=action.done, ok=result.get("ok"))
+        elif isinstance(action, SetWorkerState):
+            result = await self._submit({"op": "set_worker_state", "id": action.worker, "state": action.state})
+            self.log.info("worker_state_set", worker=action.worker, state=action.state, reason=action.reason,
+                          ok=result.get("ok"))
         elif isinstance(action, StartOperator):
             g = self.raft.sm.groups.get(action.group)
             step = "add_learner" if action.kind == "add" else \

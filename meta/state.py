@@ -19,7 +19,7 @@ from typing import Any
 
 from topology.model import Topology
 
-WORKER_STATES = ("active", "available", "draining", "removed")
+WORKER_STATES = ("active", "available", "draining", "drained", "removed")
 
 
 @dataclass

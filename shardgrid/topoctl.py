@@ -333,6 +333,50 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_drain(args: argparse.Namespace) -> int:
+    """`topoctl drain W`: hand W's leaderships over, replace its replicas, then `drained`."""
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/workers/{args.worker}/drain", json={}, admin=True)
+        _out(f"{args.worker}: {res['state']}" + ("" if res.get("changed", True) else " already"))
+        if args.no_wait:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.wait
+        shown = ""
+        while True:
+            view = await client.cluster()
+            w = view["workers"].get(args.worker, {})
+            if w.get("state") == "drained":
+                _out(f"{args.worker}: drained (hosts no replica; `topoctl undrain {args.worker}` makes it eligible "
+                     "again)")
+                return 0
+            if w.get("state") != "draining":
+                _err(f"topoctl: {args.worker} is {w.get('state')} now, not draining (undrained meanwhile?)")
+                return EXIT_REJECTED
+            leads = sorted(int(g) for g, rec in view["groups"].items() if rec["leader"] == args.worker)
+            hosts = sorted(int(g) for g, rec in view["groups"].items()
+                           if args.worker in (*rec["voters"], *rec["learners"]))
+            line = (f"  leads groups {','.join(map(str, leads)) or '-'}; hosts groups "
+                    f"{','.join(map(str, hosts)) or '-'}")
+            ops = [f"group {g}: {op['kind']} {op['worker']}: {op['step']}"
+                   for g, op in sorted((view.get("operators") or {}).items(), key=lambda kv: int(kv[0]))]
+            line += ("; " + "; ".join(ops)) if ops else ""
+            if line != shown:
+                _out(line)
+                shown = line
+            if loop.time() > deadline:
+                _err(f"topoctl: {args.worker} still draining after {args.wait:.0f} s (it goes on; topoctl operators)")
+                return EXIT_NOT_CONVERGED
+            await asyncio.sleep(POLL_S)
+
+
+async def cmd_undrain(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/workers/{args.worker}/undrain", json={}, admin=True)
+    _out(f"{res['worker']}: {res['state']} (eligible for replicas and leaderships again)")
+    return 0
+
+
 async def cmd_operators(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         ops = (await client.call("GET", "/v1/operators"))["operators"]
@@ -387,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("operators", help="placement changes in progress")
     o.add_argument("--json", action="store_true")
     o.set_defaults(func=cmd_operators)
+    d = sub.add_parser("drain", help="take a worker out of service: leaderships, then replicas, move elsewhere")
+    d.add_argument("worker")
+    d.add_argument("--no-wait", action="store_true", help="start it and return")
+    d.add_argument("--wait", type=float, default=600.0,
+                   help=f"seconds to follow it until drained (default 600; exit {EXIT_NOT_CONVERGED} after)")
+    d.set_defaults(func=cmd_drain)
+    u = sub.add_parser("undrain", help="make a drained worker eligible for replicas and leaderships again")
+    u.add_argument("worker")
+    u.set_defaults(func=cmd_undrain)
     w = sub.add_parser("worker", help="worker verbs: gone W (it will not come back: replace its replicas now)")
     w.add_argument("action", choices=["gone"])
     w.add_argument("worker")

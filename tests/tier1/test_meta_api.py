@@ -299,3 +299,17 @@ async def test_a_settings_change_is_in_the_plan_never_no_changes(api: TestClient
     changed = EXAMPLE.replace("lease_ms: 1500", "lease_ms: 1400")
     body = await (await put(api, changed, dry_run="1")).json()
     assert body["changed"] and body["plan"] == [] and body["plan_text"] == "~ settings.lease_ms: 1500 -> 1400"
+
+
+async def test_drain_and_undrain(api: TestClient) -> None:
+    assert (await put(api, EXAMPLE)).status == 200
+    assert (await api.post("/v1/workers/w9/drain", headers=AUTH)).status == 404
+    assert (await api.post("/v1/workers/w3/drain")).status == 401
+    r = await api.post("/v1/workers/w3/undrain", headers=AUTH)
+    assert r.status == 400 and "not draining or drained" in (await r.json())["error"]["message"]
+    assert await (await api.post("/v1/workers/w3/drain", headers=AUTH)).json() == \
+        {"worker": "w3", "state": "draining", "changed": True}
+    assert (await (await api.post("/v1/workers/w3/drain", headers=AUTH)).json())["changed"] is False
+    view = await (await api.get("/v1/cluster")).json()
+    assert view["workers"]["w3"]["state"] == "draining"
+    assert await (await api.post("/v1/workers/w3/undrain", headers=AUTH)).json() == {"worker": "w3", "state": "active"}

@@ -401,3 +401,10 @@ def test_with_five_voters_the_successor_comes_from_the_side_that_cannot_hear_the
                                                unheard=("w2", "w3", "w5"))
     (action,) = decide(gs, soft, now, LEASE)
     assert action.leader == "w3"
+
+
+def test_balance_never_hands_a_leadership_back_to_a_worker_on_its_way_out() -> None:
+    now = 60_000
+    up = now - REBALANCE_AFTER_MS
+    assert rebalance(_moved(), _balanced_soft(now, up), now, LEASE) == [StartTransfer(0, "w2", "w1")]
+    assert rebalance(_moved(), _balanced_soft(now, up), now, LEASE, unwanted=frozenset({"w1"})) == []

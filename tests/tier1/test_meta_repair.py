@@ -96,3 +96,35 @@ def test_two_gone_voters_are_replaced_one_after_the_other_before_either_is_remov
     assert (act.kind, act.worker) == ("add", "w4")  # 2 live of RF 3: add before removing anything
     (act,) = repair([group(voters=("w1", "w2", "w3", "w4", "w5"))], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
     assert (act.kind, act.worker) == ("remove", "w2")  # 3 live of the 4 that remain
+
+
+def _drain(ws: dict[str, WorkerRecord], wid: str, state: str = "draining") -> dict[str, WorkerRecord]:
+    out = dict(ws)
+    out[wid] = WorkerRecord(wid, ws[wid].addr, ws[wid].zone, state)
+    return out
+
+
+def test_drain_hands_the_leadership_over_first() -> None:
+    from meta.controller import StartTransfer
+
+    s = soft()
+    for wid, last in (("w2", 90), ("w3", 100)):
+        s.workers[wid].groups[0] = GroupReport(term=4, last_seq=last)
+    ws = _drain(WORKERS, "w1")
+    assert repair([group()], {}, ws, s, NOW, LEASE, AFTER, RF) == [StartTransfer(0, "w1", "w3")]
+    # Never to another worker on its way out.
+    assert repair([group()], {}, _drain(ws, "w3"), s, NOW, LEASE, AFTER, RF) == [StartTransfer(0, "w1", "w2")]
+
+
+def test_drain_replaces_a_follower_then_removes_it_then_says_drained() -> None:
+    ws = _drain(WORKERS, "w3")
+    (act,) = repair([group()], {}, ws, soft(), NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker, act.replaces, act.by) == ("add", "w5", "w3", "drain") and "w3 is draining" in act.reason
+    (act,) = repair([group(voters=("w1", "w2", "w3", "w5"))], {}, ws, soft(), NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker, act.by) == ("remove", "w3", "drain")
+    from meta.repair import SetWorkerState
+    assert repair([group(voters=("w1", "w2", "w5"))], {}, ws, soft(), NOW, LEASE, AFTER, RF) == [
+        SetWorkerState("w3", "drained", "w3 hosts no replica any more")]
+    # An operator still involving it: not drained yet.
+    assert repair([group(voters=("w1", "w2", "w5"))], {1: OperatorRecord(1, "remove", "w3", "remove")}, ws, soft(),
+                  NOW, LEASE, AFTER, RF) == []

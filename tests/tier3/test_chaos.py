@@ -453,3 +453,32 @@ def test_10_apply_moves_a_replica_and_a_leader_and_waits_until_converged(tmp_pat
         judge(c, result, "apply-converges")
     finally:
         c.close()
+
+
+def test_11_drain_a_worker_under_load(tmp_path: Path) -> None:
+    """`topoctl drain w1` (it leads group 0 and hosts all three): its leadership moves,
+    its replicas move to w4, it ends `drained`; no client error, nothing lost."""
+    c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
+    try:
+        c.boot(c.topology_yaml(snapshot_every=500, groups=GROUPS), gateways=True)
+        load = Background(LoadGenerator(c.gateways, clients=8, ops_per_client=100_000, seed=111))
+        try:
+            load.wait_more(600)
+            res = c.topoctl("drain", "w1", "--wait", "120", timeout=150)
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert res.stdout.rstrip().splitlines()[-1].startswith("w1: drained"), res.stdout
+            v = c.view()
+            assert v["workers"]["w1"]["state"] == "drained" and not v["operators"]
+            for gid, g in v["groups"].items():
+                assert "w1" not in g["voters"] + g["learners"] and g["leader"] != "w1", (gid, g)
+                assert sorted(g["voters"]) == ["w2", "w3", "w4"] and g["ready"], (gid, g)
+            load.wait_more(300)
+            undrained = c.topoctl("undrain", "w1")
+            assert undrained.returncode == 0 and "w1: active" in undrained.stdout
+        finally:
+            result = load.finish()
+        assert sum(result.errors.values()) == 0, f"client-visible errors: {result.errors}"
+        print(f"\n{res.stdout}")
+        judge(c, result, "drain")
+    finally:
+        c.close()
