@@ -325,12 +325,17 @@ async def cmd_replicas(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.5)
 
 
+async def _worker_verb(args: argparse.Namespace, verb: str, after: str) -> int:
+    """POST /v1/workers/W/VERB (admin) and say the worker's new state."""
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/workers/{args.worker}/{verb}", json={}, admin=True)
+    _out(f"{res['worker']}: {res['state']}{after}")
+    return 0
+
+
 async def cmd_worker(args: argparse.Namespace) -> int:
     """`topoctl worker gone W`: W will not come back; replace its replicas now."""
-    async with _client(args) as client:
-        res = await client.call("POST", f"/v1/workers/{args.worker}/gone", json={}, admin=True)
-    _out(f"{res['worker']}: {res['state']}; its replicas are replaced now (topoctl operators shows the moves)")
-    return 0
+    return await _worker_verb(args, "gone", "; its replicas are replaced now (topoctl operators shows the moves)")
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
@@ -371,10 +376,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
 
 
 async def cmd_undrain(args: argparse.Namespace) -> int:
-    async with _client(args) as client:
-        res = await client.call("POST", f"/v1/workers/{args.worker}/undrain", json={}, admin=True)
-    _out(f"{res['worker']}: {res['state']} (eligible for replicas and leaderships again)")
-    return 0
+    return await _worker_verb(args, "undrain", " (eligible for replicas and leaderships again)")
 
 
 async def cmd_operators(args: argparse.Namespace) -> int:
