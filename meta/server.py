@@ -390,8 +390,7 @@ class MetaServer:
                 raise ApiError("bad_request", f"{add} is not a registered worker")
             if not heard_live(soft, add, now, lease):
                 raise ApiError("bad_request", f"{add} is not live (no recent heartbeat)")
-            cmd = {"op": "put_operator", "group": gid, "kind": "add", "worker": add, "step": "add_learner",
-                   "started_ms": int(time.time() * 1000)}
+            cmd = self._operator_cmd(gid, "add", add)
         else:
             if remove not in members:
                 raise ApiError("bad_request", f"{remove} does not host group {gid}")
@@ -403,12 +402,20 @@ class MetaServer:
             if not remaining or len(live) < len(remaining) // 2 + 1:
                 raise ApiError("bad_request", f"removing {remove} would leave group {gid} without a quorum of live "
                                f"voters ({len(live)} live of {len(remaining)})")
-            cmd = {"op": "put_operator", "group": gid, "kind": "remove", "worker": remove,
-                   "step": "transfer" if g.leader == remove else "remove", "started_ms": int(time.time() * 1000)}
+            cmd = self._operator_cmd(gid, "remove", remove)
         result = await self._submit(cmd)
         self._raise_failed(result)
         self.log.info("operator_started", **result["operator"])
         return json_response(result["operator"], status=202)
+
+    def _operator_cmd(self, gid: int, kind: str, worker: str, message: str = "",
+                      replaces: str | None = None) -> dict[str, Any]:
+        """The command that starts a staged operator (a verb's or the controller's): an add
+        starts as a learner, a removal of the leader by handing its leadership over."""
+        g = self.raft.sm.groups.get(gid)
+        step = "add_learner" if kind == "add" else "transfer" if g is not None and g.leader == worker else "remove"
+        return {"op": "put_operator", "group": gid, "kind": kind, "worker": worker, "step": step,
+                "message": message, "replaces": replaces, "started_ms": int(time.time() * 1000)}
 
     async def cancel_operator(self, request: web.Request) -> web.Response:
         check_bearer(request.headers.get("Authorization"), self.config.admin_token)
@@ -485,7 +492,7 @@ class MetaServer:
         wid = self._worker_id(request)
         seen = soft.workers.get(wid)
         now = _now_ms()
-        if heard_live(soft, wid, now, self._lease_ms()) and seen is not None:
+        if seen is not None and heard_live(soft, wid, now, self._lease_ms()):
             raise ApiError("bad_request", f"{wid} is live (heard {now - seen.last_seen_ms} ms ago): stop it first; "
                            "the replicas of a live worker are not replaced")
         result = await self._submit({"op": "set_worker_state", "id": wid, "state": "removed"})
@@ -664,13 +671,8 @@ class MetaServer:
             self.log.info("worker_state_set", worker=action.worker, state=action.state, reason=action.reason,
                           ok=result.get("ok"))
         elif isinstance(action, StartOperator):
-            g = self.raft.sm.groups.get(action.group)
-            step = "add_learner" if action.kind == "add" else \
-                "transfer" if g is not None and g.leader == action.worker else "remove"
-            cmd = {"op": "put_operator", "group": action.group, "kind": action.kind, "worker": action.worker,
-                   "step": step, "message": action.reason, "replaces": action.replaces,
-                   "started_ms": int(time.time() * 1000)}
-            result = await self._submit(cmd)
+            result = await self._submit(self._operator_cmd(action.group, action.kind, action.worker,
+                                                           action.reason, action.replaces))
             self.log.info("placement_step_started", by=action.by, group=action.group, kind=action.kind,
                           worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):

@@ -8,7 +8,7 @@ before exiting; the benchmark reuses `LocalCluster` for `--cluster local`.
 Logs of each child go to DATA/logs/NAME.log.
 
 `shardgrid dev` is where a user first meets failures, so a child that exits
-does not stop the cluster: it says so (`w1 exited (signal 9 (SIGKILL))`) and
+does not stop the cluster: it says so (`w1 exited: signal 9 (SIGKILL)`) and
 goes on. From a second shell, `shardgrid dev ps|kill|start|add-worker`
 (shardgrid/devcontrol.py) lists the children, signals one, restarts one
 with its data, or adds a worker the topology does not declare (it registers
@@ -204,10 +204,10 @@ class LocalCluster:
         n = len(self.topo.workers) + 1
         while f"w{n}" in names:
             n += 1
-        host, _, port = self.topo.workers[-1].http.rpartition(":")
-        used = {int(a.rpartition(":")[2]) for a in self.addresses()} | \
-            {int(c.argv[c.argv.index("--http") + 1].rpartition(":")[2]) for c in self.children if "--http" in c.argv}
-        candidate = int(port) + 1
+        host, port = _host_port(self.topo.workers[-1].http)
+        used = {_host_port(a)[1] for a in self.addresses()} | \
+            {_host_port(c.argv[c.argv.index("--http") + 1])[1] for c in self.children if "--http" in c.argv}
+        candidate = port + 1
         while candidate in used or not _port_free(host, candidate):
             candidate += 1
             if candidate > 65535:

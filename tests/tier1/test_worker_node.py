@@ -32,9 +32,13 @@ class _FakeMeta:
         pass
 
 
-async def _with_fake_meta(tmp_path: Path) -> tuple[WorkerNode, _FakeMeta]:
-    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
+def _node(tmp_path: Path) -> WorkerNode:
+    return WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
                       structlog.get_logger())
+
+
+async def _with_fake_meta(tmp_path: Path) -> tuple[WorkerNode, _FakeMeta]:
+    node = _node(tmp_path)
     await node.meta.close()
     fake = _FakeMeta()
     node.meta = fake  # type: ignore[assignment]
@@ -59,8 +63,7 @@ async def test_a_worker_heartbeats_before_it_opens_any_group(tmp_path: Path) -> 
 
 
 async def test_the_round_counters_on_metrics_are_the_ones_the_benchmark_reads(tmp_path: Path) -> None:
-    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
-                      structlog.get_logger())
+    node = _node(tmp_path)
     try:
         node.pass_stats.passes, node.pass_stats.events = 7, 19
         node.transport.stats.messages, node.transport.stats.frames = 11, 4
@@ -98,8 +101,7 @@ async def test_a_lost_quorum_is_heartbeated_to_meta_at_once(tmp_path: Path) -> N
 
 
 async def test_check_quorum_gauges(tmp_path: Path) -> None:
-    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path),
-                      structlog.get_logger())
+    node = _node(tmp_path)
 
     class _Shell:
         def __init__(self, **rep: Any) -> None:
