@@ -103,6 +103,16 @@ class GroupReport:
     quorum: bool | None = None
     leader_silence_ms: int | None = None
     unheard: tuple[str, ...] = ()  # a leader's voters without an answer within the lease
+    disk_bytes: int = 0  # what the replica holds on disk (measured every few seconds; 0: not said)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A worker that would not take (or did not finish taking) a replica: the
+    controller tries the next worker until `until_ms`."""
+
+    reason: str  # insufficient_disk, insufficient_ram, draining, unreachable, timeout
+    until_ms: int
 
 
 @dataclass
@@ -124,9 +134,27 @@ class SoftState:
     first_known_ms: dict[str, int] = field(default_factory=dict)
     # group -> when its leadership was last moved for isolation (the window).
     isolation_moved_ms: dict[int, int] = field(default_factory=dict)
+    # (worker, group) -> since when that replica has reported `failed`, without a break.
+    failed_since_ms: dict[tuple[str, int], int] = field(default_factory=dict)
+    # (group, worker) -> a worker that refused (or did not finish) a replica of that group.
+    refused: dict[tuple[int, str], Refusal] = field(default_factory=dict)
+    # (group, kind, worker) -> when this meta leader first saw that operator in progress.
+    operator_seen_ms: dict[tuple[int, str, str], int] = field(default_factory=dict)
 
     def know(self, worker: str, now_ms: int) -> None:
         self.first_known_ms.setdefault(worker, now_ms)
+
+    def note_operators(self, keys: Sequence[tuple[int, str, str]], now_ms: int) -> None:
+        """Start the clock of each operator in progress (group, kind, worker); forget the ended ones."""
+        live = set(keys)
+        for key in live:
+            self.operator_seen_ms.setdefault(key, now_ms)
+        for key in [k for k in self.operator_seen_ms if k not in live]:
+            del self.operator_seen_ms[key]
+
+    def refusing(self, group: int, worker: str, now_ms: int) -> bool:
+        r = self.refused.get((group, worker))
+        return r is not None and now_ms < r.until_ms
 
     def heard_from(self, worker: str, now_ms: int, groups: Mapping[int, GroupReport],
                    lease_ms: int | None = None, boot: str | None = None) -> None:
@@ -136,6 +164,13 @@ class SoftState:
                 and (boot is None or prev.boot is None or boot == prev.boot):
             up_since = prev.up_since_ms
         self.workers[worker] = WorkerLiveness(now_ms, dict(groups), up_since, boot)
+        for gid, rep in groups.items():
+            if rep.failed is None:
+                self.failed_since_ms.pop((worker, gid), None)
+            else:
+                self.failed_since_ms.setdefault((worker, gid), now_ms)
+        for key in [k for k in self.failed_since_ms if k[0] == worker and k[1] not in groups]:
+            del self.failed_since_ms[key]
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def reconcile(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRec
         voters, learners = set(g.voters), set(g.learners)
         # A desired learner is promoted by an add operator too (it resumes at catch-up).
         addable = [w for w in g.desired if w not in voters and (w in learners or (
-            w in workers and workers[w].state in PLACEABLE and heard_live(soft, w, now_ms, lease_ms)))]
+            w in workers and workers[w].state in PLACEABLE and heard_live(soft, w, now_ms, lease_ms)
+            and not soft.refusing(g.id, w, now_ms)))]
         if addable:
             actions.append(StartOperator(g.id, "add", addable[0],
                                          f"the desired placement of group {g.id} includes {addable[0]}", by="reconcile"))

@@ -19,17 +19,18 @@ import orjson
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
+from meta.controller import (ChangeMembers, GroupReport, RecordMembers, Refusal, SetLeader, SoftState, StartTransfer,
                              UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
                              report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
-from meta.repair import SetWorkerState, StartOperator, repair
+from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
+                         repair)
 from meta.state import GroupRecord
 from shardgrid.auth import check_bearer
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.units import MAX_BYTES
-from shardgrid.wire import LOGGER_KEY, ApiError, error_middleware, json_response
+from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import GroupSpec, Topology
@@ -97,6 +98,9 @@ class MetaServer:
         self.c_placement = Counter("shardgrid_meta_placement_steps", "replica operators the controller started, by "
                                    "rule (repair: a gone voter; reconcile: the desired placement) and kind (add, "
                                    "remove)", ["by", "kind"], registry=reg)
+        self.c_decisions = Counter("shardgrid_meta_controller_decisions", "controller decisions besides failovers "
+                                   "and placement steps, by kind and reason (refused: a worker turned an assignment "
+                                   "down, or it timed out)", ["kind", "reason"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
@@ -409,13 +413,13 @@ class MetaServer:
         return json_response(result["operator"], status=202)
 
     def _operator_cmd(self, gid: int, kind: str, worker: str, message: str = "",
-                      replaces: str | None = None) -> dict[str, Any]:
+                      replaces: str | None = None, by: str = "operator") -> dict[str, Any]:
         """The command that starts a staged operator (a verb's or the controller's): an add
         starts as a learner, a removal of the leader by handing its leadership over."""
         g = self.raft.sm.groups.get(gid)
         step = "add_learner" if kind == "add" else "transfer" if g is not None and g.leader == worker else "remove"
         return {"op": "put_operator", "group": gid, "kind": kind, "worker": worker, "step": step,
-                "message": message, "replaces": replaces, "started_ms": int(time.time() * 1000)}
+                "message": message, "replaces": replaces, "started_ms": int(time.time() * 1000), "by": by}
 
     async def cancel_operator(self, request: web.Request) -> web.Response:
         check_bearer(request.headers.get("Authorization"), self.config.admin_token)
@@ -558,7 +562,8 @@ class MetaServer:
                     write_rate=float(rep.get("write_rate", 0) or 0),
                     quorum=_opt_bool(rep.get("quorum")),
                     unheard=tuple(str(v) for v in rep.get("unheard") or ()),
-                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")))
+                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")),
+                    disk_bytes=int(rep.get("disk_bytes", 0) or 0))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
                            "quorum true/false/null and leader_silence_ms an integer or null") from None
@@ -597,8 +602,12 @@ class MetaServer:
             if group is not None and op.group not in self._busy_groups:
                 actions.extend(advance_operator(op, group, self.soft, now, lease))
         topo = sm.topology
+        self.soft.note_operators([(op.group, op.kind, op.worker) for op in sm.operators.values()], now)
         if topo is not None:
-            # Repair first (a gone voter), then the applied placement: one operator per group.
+            # Give up on assignments that do not finish, then repair (a gone
+            # voter, a gap), then the applied placement: one operator per group.
+            timeout = int(topo["settings"].get("assignment_timeout_ms", 300_000))
+            actions.extend(expired_assignments(sm.operators, self.soft, now, timeout))
             replace_after = int(topo["settings"].get("replace_after_ms", 60_000))
             groups = list(sm.groups.values())
             moves = repair(groups, sm.operators, sm.workers, self.soft, now, lease, replace_after,
@@ -670,9 +679,21 @@ class MetaServer:
             result = await self._submit({"op": "set_worker_state", "id": action.worker, "state": action.state})
             self.log.info("worker_state_set", worker=action.worker, state=action.state, reason=action.reason,
                           ok=result.get("ok"))
+        elif isinstance(action, CancelAssignment):
+            op = self.raft.sm.operators.get(action.group)
+            if op is None or (op.kind, op.worker) != ("add", action.worker):
+                return
+            result = await self._submit({"op": "update_operator", "group": action.group, "kind": "add",
+                                         "worker": action.worker, "step": op.step, "done": True, "cancelled": True})
+            self.log.warning("assignment_timed_out", group=action.group, worker=action.worker, reason=action.reason,
+                             ok=result.get("ok"))
+            if result.get("ok"):
+                self._refuse(action.group, action.worker, "timeout")
         elif isinstance(action, StartOperator):
+            if action.kind == "add" and not await self._assignment_accepted(action):
+                return
             result = await self._submit(self._operator_cmd(action.group, action.kind, action.worker,
-                                                           action.reason, action.replaces))
+                                                           action.reason, action.replaces, action.by))
             self.log.info("placement_step_started", by=action.by, group=action.group, kind=action.kind,
                           worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
@@ -681,6 +702,33 @@ class MetaServer:
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))
             task.add_done_callback(lambda _t, g=action.group: self._busy_groups.discard(g))
+
+    def _refuse(self, group: int, worker: str, reason: str) -> None:
+        assert self.soft is not None
+        self.soft.refused[(group, worker)] = Refusal(reason, _now_ms() + REFUSAL_HOLD_MS)
+        self.c_decisions.labels("refused", reason).inc()
+
+    async def _assignment_accepted(self, action: StartOperator) -> bool:
+        """Ask the chosen worker whether it can take the replica (worker/capacity.py);
+        a refusal, or no answer, skips it for this group for REFUSAL_HOLD_MS."""
+        g = self.raft.sm.groups.get(action.group)
+        need = 0
+        if g is not None and self.soft is not None:
+            need = max((rep.disk_bytes for v in g.voters if (rep := report_of(self.soft, v, g.id)) is not None),
+                       default=0)
+        try:
+            status, answer = await self._worker_post(action.worker, "/v1/assignments",
+                                                     {"group": action.group, "bytes": need})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ApiError) as exc:
+            status, answer = 0, {"error": {"reason": "unreachable", "message": type(exc).__name__}}
+        if status == 200:
+            return True
+        err = answer.get("error", {}) if isinstance(answer, dict) else {}
+        reason = err.get("reason") if err.get("reason") in REFUSAL_REASONS else "unreachable"
+        self.log.warning("assignment_refused", by=action.by, group=action.group, worker=action.worker,
+                         reason=reason, status=status, message=err.get("message"))
+        self._refuse(action.group, action.worker, reason)
+        return False
 
     async def _call_leader(self, action: ChangeMembers | StartTransfer) -> None:
         if isinstance(action, StartTransfer):

@@ -81,6 +81,10 @@ class OperatorRecord:
     step: str
     message: str = ""
     started_ms: int = 0
+    # Who started it: "operator" (a verb), or the controller rule (repair,
+    # fill, drain, reconcile, shed). Only the controller's own assignments
+    # time out (meta/repair.py).
+    by: str = "operator"
 
 
 class MetaStateMachine:
@@ -239,7 +243,7 @@ class MetaStateMachine:
             return fail("conflict", f"group {gid} already has an operator in progress: {current.kind} "
                         f"{current.worker} at step {current.step}", operator=asdict(current))
         self.operators[gid] = OperatorRecord(gid, cmd["kind"], cmd["worker"], cmd["step"], cmd.get("message", ""),
-                                             cmd.get("started_ms", 0))
+                                             cmd.get("started_ms", 0), str(cmd.get("by", "operator")))
         # The placement the group should converge to changes with the
         # operator (a verb, or repair replacing a gone voter): otherwise
         # reconcile would undo it once it is done.

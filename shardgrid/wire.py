@@ -28,6 +28,10 @@ STATUS_FOR_CODE: dict[str, int] = {
     "internal": 500,
 }
 
+# The `reason` of a worker's 409 `conflict` answer to `POST /v1/assignments`
+# (meta's controller placing a replica on it): why it cannot take one.
+REFUSAL_REASONS = ("insufficient_disk", "insufficient_ram", "draining")
+
 
 class ApiError(Exception):
     """Raised by handlers; rendered by the error middleware as the error body."""

@@ -47,6 +47,9 @@ class Settings:
     embedding_dim: int = 64  # fixed per cluster
     # A voter silent this long is replaced by another worker (meta/repair.py).
     replace_after_ms: int = 60_000
+    # A replica the controller assigned that has not caught up this long is
+    # cancelled and placed on another worker (meta/repair.py).
+    assignment_timeout_ms: int = 300_000
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

@@ -8,6 +8,7 @@ leader, and reports to meta what the cores ask for (ready, transfer).
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import time
 import uuid
@@ -25,10 +26,15 @@ from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
 from worker import replica_msgs as m
+from worker.capacity import Capacity, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
 from worker.plugins.base import PluginSettings, load_plugin
 from worker.server import WorkerApi
 from worker.transport import SendStats, Transport
+
+
+# How often the bytes each hosted group holds on disk are measured (a walk of its directory).
+SIZE_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,9 @@ class WorkerNode:
         self._refresh = asyncio.Event()
         self._beat_now = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
+        # Bytes on disk per hosted group, measured every SIZE_EVERY_S off the
+        # loop: meta sizes a new replica from the leader's figure.
+        self.group_bytes: dict[int, int] = {}
 
     # -- hooks for groups --------------------------------------------------------
 
@@ -253,7 +262,8 @@ class WorkerNode:
             self._gauges["write_latency_p99_ms"].labels(g).set(rep["latency_p99_ms"])
 
     def group_reports(self) -> dict[str, dict[str, Any]]:
-        reports = {str(gid): shell.report() for gid, shell in self.groups.items()}
+        reports = {str(gid): {**shell.report(), "disk_bytes": self.group_bytes.get(gid, 0)}
+                   for gid, shell in self.groups.items()}
         for gid, why in self.corrupt.items():
             reports[str(gid)] = {"state": "corrupt", "error": why}
         return reports
@@ -280,10 +290,32 @@ class WorkerNode:
             except asyncio.TimeoutError:
                 pass
 
+    async def _measure(self) -> None:
+        while True:
+            for gid, shell in list(self.groups.items()):
+                self.group_bytes[gid] = await asyncio.to_thread(tree_bytes, shell.root)
+            for gid in [g for g in self.group_bytes if g not in self.groups]:
+                del self.group_bytes[gid]
+            await asyncio.sleep(SIZE_EVERY_S)
+
+    async def capacity(self) -> Capacity:
+        """What this worker has left for one more replica (worker/capacity.py)."""
+        groups = self.cfg.data / "groups"
+        used = await asyncio.to_thread(tree_bytes, groups)
+        try:
+            free = shutil.disk_usage(self.cfg.data).free
+        except OSError:
+            free = 0
+        state = ""
+        if self.view is not None:
+            state = str(self.view.get("workers", {}).get(self.id, {}).get("state", ""))
+        return Capacity(state, self.cfg.available_disk, used, free, self.cfg.available_ram, resident_bytes())
+
     # -- lifecycle --------------------------------------------------------------------
 
     def start_background(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._heartbeat()),
+                       asyncio.create_task(self._measure())]
 
     async def close(self) -> None:
         for task in [*self._tasks, *self._background]:

@@ -17,6 +17,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
     pack_frames, packb, unpack_frame, unpackb
 from worker import replica_msgs as m
+from worker.capacity import refusal
 from worker.codec import decode_message
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -124,6 +125,7 @@ class WorkerApi:
         r.add_post("/v1/groups/{gid}/read", self.read)
         r.add_post("/v1/groups/{gid}/transfer", self.transfer)
         r.add_post("/v1/groups/{gid}/members", self.members)
+        r.add_post("/v1/assignments", self.assignment)
         r.add_get("/v1/groups/{gid}/snapshot", self.snapshot_manifest)
         r.add_get("/v1/groups/{gid}/snapshot/{seq}", self.snapshot_data)
         app.on_shutdown.append(self._close_streams)
@@ -352,6 +354,22 @@ class WorkerApi:
             raise ApiError("bad_request", "members needs exactly one of add_learner, promote, remove")
         out = await shell.change_members(change, DEFAULT_TIMEOUT_S)
         return self._respond(request, self._outcome(shell, out))
+
+    async def assignment(self, request: web.Request) -> web.Response:
+        """Meta asks before it places a replica here: 200 when this worker can
+        take it, 409 `refused` with a reason (worker/capacity.py) when not."""
+        body = await _body(request)
+        gid = body.get("group") if isinstance(body, dict) else None
+        need = body.get("bytes", 0) if isinstance(body, dict) else None
+        if not isinstance(gid, int) or isinstance(gid, bool) or not isinstance(need, int) or isinstance(need, bool) \
+                or need < 0:
+            raise ApiError("bad_request", "assignments needs {\"group\": int, \"bytes\": int >= 0}")
+        why = refusal(await self.node.capacity(), need)
+        if why is not None:
+            self.node.log.info("assignment_refused", group=gid, reason=why.reason, message=why.message)
+            raise ApiError("conflict", f"{self.node.id} cannot take a replica of group {gid}: {why.message}",
+                           reason=why.reason, group=gid)
+        return json_response({"accepted": True, "group": gid, "worker": self.node.id})
 
     async def snapshot_manifest(self, request: web.Request) -> web.Response:
         shell = self._group(request)

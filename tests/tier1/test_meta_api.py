@@ -179,8 +179,16 @@ async def meta_and_worker(tmp_path: Path, aiohttp_client: Any, aiohttp_server: A
         await raft.submit({"op": "set_ready", "group": 0, "term": g.term, "leader": lead}, 5.0)
         return web.json_response({"accepted": True}, status=202)
 
+    async def assignments(request: web.Request) -> web.Response:
+        calls.append({"assignment": await request.json()})
+        reason = behaviour.get("refuse")
+        if reason:
+            return web.json_response({"error": {"code": "conflict", "reason": reason, "message": "full"}}, status=409)
+        return web.json_response({"accepted": True})
+
     app = web.Application()
     app.router.add_post("/v1/groups/{gid}/transfer", transfer)
+    app.router.add_post("/v1/assignments", assignments)
     worker = await aiohttp_server(app)
     try:
         client = await aiohttp_client(server.app())
@@ -313,3 +321,26 @@ async def test_drain_and_undrain(api: TestClient) -> None:
     view = await (await api.get("/v1/cluster")).json()
     assert view["workers"]["w3"]["state"] == "draining"
     assert await (await api.post("/v1/workers/w3/undrain", headers=AUTH)).json() == {"worker": "w3", "state": "active"}
+
+
+async def test_the_controller_asks_the_worker_first_and_a_refusal_starts_nothing(meta_and_worker: Any) -> None:
+    from meta.repair import CancelAssignment, StartOperator
+
+    client, server, raft, calls, behaviour = meta_and_worker
+    await client.post("/v1/workers/w2/heartbeat", json={"groups": {"0": {
+        "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10, "role": "follower",
+        "disk_bytes": 12345}}})
+    raft.sm.groups[0].voters = ["w2", "w3"]  # one short; w1 (the fake) is asked to take it
+    behaviour["refuse"] = "insufficient_disk"
+    await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
+    assert calls[-1] == {"assignment": {"group": 0, "bytes": 12345}}  # sized from the biggest voter's report
+    assert not raft.sm.operators and server.soft.refused[(0, "w1")].reason == "insufficient_disk"
+    assert 'shardgrid_meta_controller_decisions_total{kind="refused",reason="insufficient_disk"} 1.0' in \
+        await (await client.get("/metrics")).text()
+    behaviour["refuse"] = None
+    await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
+    op = raft.sm.operators[0]
+    assert (op.kind, op.worker, op.by, op.step) == ("add", "w1", "fill", "add_learner")
+    # Given up on: cancelled, and w1 refused for the group (reason "timeout").
+    await server._execute(CancelAssignment(0, "w1", "too slow"))
+    assert not raft.sm.operators and server.soft.refused[(0, "w1")].reason == "timeout"

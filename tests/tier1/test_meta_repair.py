@@ -1,8 +1,8 @@
 """Automatic repair (meta/repair.py): a gone voter is replaced, one step at a time."""
 from __future__ import annotations
 
-from meta.controller import GroupReport, SoftState
-from meta.repair import StartOperator, repair
+from meta.controller import GroupReport, Refusal, SoftState
+from meta.repair import REFUSAL_HOLD_MS, StartOperator, expired_assignments, repair
 from meta.state import GroupRecord, OperatorRecord, WorkerRecord
 
 LEASE, AFTER, RF = 1500, 60_000, 3
@@ -128,3 +128,75 @@ def test_drain_replaces_a_follower_then_removes_it_then_says_drained() -> None:
     # An operator still involving it: not drained yet.
     assert repair([group(voters=("w1", "w2", "w5"))], {1: OperatorRecord(1, "remove", "w3", "remove")}, ws, soft(),
                   NOW, LEASE, AFTER, RF) == []
+
+
+def failing(wid: str, since_ms: int) -> SoftState:
+    """Everyone heard now; `wid` has reported group 0 failed since `since_ms` ago."""
+    s = SoftState(leader_since_ms=0)
+    for w in WORKERS:
+        rep = GroupReport(term=4, failed="OSError: [Errno 28] No space left on device") if w == wid else \
+            GroupReport(term=4)
+        s.heard_from(w, NOW - since_ms, {0: rep})
+        s.heard_from(w, NOW, {0: rep})
+    return s
+
+
+def test_a_replica_failed_for_replace_after_ms_is_replaced_and_one_that_recovers_is_not() -> None:
+    assert repair([group()], {}, WORKERS, failing("w3", AFTER - 1), NOW, LEASE, AFTER, RF) == []
+    s = failing("w3", AFTER)
+    (act,) = repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker, act.replaces, act.by) == ("add", "w5", "w3", "repair")
+    assert "w3's replica has failed for 60000 ms (OSError: [Errno 28]" in act.reason
+    # Then, with the replacement a voter, the failed (but live) replica goes.
+    (act,) = repair([group(voters=("w1", "w2", "w3", "w5"))], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker) == ("remove", "w3")
+    # A report without the failure (the worker reopened it in place) restarts the clock.
+    s.heard_from("w3", NOW, {0: GroupReport(term=4)})
+    assert repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []
+    s.heard_from("w3", NOW + 1, {0: GroupReport(term=4, failed="OSError")})
+    assert repair([group()], {}, WORKERS, s, NOW + AFTER, LEASE, AFTER, RF) == []
+
+
+def test_a_group_short_of_rf_is_filled_on_an_available_worker_first() -> None:
+    busy = group(1, ("w3", "w4", "w2"), "w3")
+    (act,) = repair([group(voters=("w1", "w2")), busy], {}, WORKERS, soft(), NOW, LEASE, AFTER, RF)
+    # Zones a and b are used: w3 and w5 are in zone c; w5 (available) hosts nothing, w3 one replica.
+    assert (act.group, act.kind, act.worker, act.by, act.replaces) == (0, "add", "w5", "fill", None)
+    assert act.reason == "group 0 has 2 of 3 voters; adding one on w5"
+    assert repair([group(voters=("w1", "w2"), learners=("w5",))], {}, WORKERS, soft(), NOW, LEASE, AFTER, RF) == []
+    assert repair([group()], {}, WORKERS, soft(), NOW, LEASE, AFTER, RF) == []
+
+
+def test_a_refusal_sends_the_replica_to_the_next_worker_until_it_expires() -> None:
+    s = soft({"w3": AFTER})
+    s.refused[(0, "w5")] = Refusal("insufficient_disk", NOW + 1)
+    (act,) = repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert act.worker == "w4"
+    s.refused[(0, "w4")] = Refusal("draining", NOW + 1)
+    assert repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF) == []  # nobody else can take it
+    # Only that group: another group may still go to w5.
+    acts = repair([group(), group(1)], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert [(a.group, a.worker) for a in acts] == [(1, "w5")]
+    (act,) = repair([group()], {}, WORKERS, s, NOW + 1, LEASE, AFTER, RF)  # the hold is over
+    assert act.worker == "w5"
+
+
+def test_an_assignment_that_does_not_catch_up_in_time_is_given_up_and_its_learner_removed() -> None:
+    s = soft({"w3": AFTER})
+    ops = {0: OperatorRecord(0, "add", "w5", "catch_up", by="repair"),
+           1: OperatorRecord(1, "add", "w4", "catch_up", by="operator"),
+           2: OperatorRecord(2, "add", "w4", "catch_up", by="reconcile"),
+           3: OperatorRecord(3, "add", "w2", "promote", by="fill")}
+    s.note_operators([(op.group, op.kind, op.worker) for op in ops.values()], NOW)
+    assert expired_assignments(ops, s, NOW + 299_999, 300_000) == []
+    (cancel,) = expired_assignments(ops, s, NOW + 300_000, 300_000)
+    assert (cancel.group, cancel.worker) == (0, "w5") and "within 300000 ms" in cancel.reason
+    # A new meta leader starts the clock afresh; an ended operator is forgotten.
+    s.note_operators([(1, "add", "w4")], NOW + 300_000)
+    assert list(s.operator_seen_ms) == [(1, "add", "w4")]
+    # Once refused, the learner it left goes first, then the replica is placed elsewhere.
+    s.refused[(0, "w5")] = Refusal("timeout", NOW + REFUSAL_HOLD_MS)
+    (act,) = repair([group(learners=("w5",))], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker) == ("remove", "w5") and "timeout" in act.reason
+    (act,) = repair([group()], {}, WORKERS, s, NOW, LEASE, AFTER, RF)
+    assert (act.kind, act.worker) == ("add", "w4")
