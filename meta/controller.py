@@ -134,6 +134,8 @@ class SoftState:
     first_known_ms: dict[str, int] = field(default_factory=dict)
     # group -> when its leadership was last moved for isolation (the window).
     isolation_moved_ms: dict[int, int] = field(default_factory=dict)
+    # group -> when a balancing rule (meta/balance.py) last moved its leadership.
+    balance_moved_ms: dict[int, int] = field(default_factory=dict)
     # (worker, group) -> since when that replica has reported `failed`, without a break.
     failed_since_ms: dict[tuple[str, int], int] = field(default_factory=dict)
     # (group, worker) -> a worker that refused (or did not finish) a replica of that group.

@@ -19,9 +19,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from meta.controller import (ChangeMembers, GroupReport, RecordMembers, Refusal, SetLeader, SoftState, StartTransfer,
-                             UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
-                             report_of, transfer_lag_allowed)
+from meta.balance import balance_leader_counts
+from meta.controller import (ISOLATION_HOLD_LEASES, REBALANCE_AFTER_MS, ChangeMembers, GroupReport, RecordMembers,
+                             Refusal, SetLeader, SoftState, StartTransfer, UpdateOperator, advance_operator,
+                             best_transfer_target, decide, heard_live, rebalance, report_of, transfer_lag_allowed)
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
@@ -49,6 +50,8 @@ CONTROLLER_PERIOD_S = 0.1
 # every few seconds.
 REBALANCE_COOLDOWN_MS = 15_000
 REBALANCE_BACKOFF_MAX_MS = 600_000
+# settings.rebalance_window_ms when the applied topology predates it.
+DEFAULT_REBALANCE_WINDOW_MS = 30_000
 DEFAULT_LEASE_MS = 1500
 
 SERVER_KEY: web.AppKey["MetaServer"] = web.AppKey("meta_server", object)  # type: ignore[arg-type]
@@ -372,8 +375,9 @@ class MetaServer:
         raise ApiError("deadline_exceeded", f"group {gid} did not finish the transfer in {TRANSFER_TIMEOUT_S:.0f} s "
                        f"(term {cur.term}, leader {cur.leader}, ready {cur.ready})", shard=gid)
 
-    async def _prefer(self, gid: int, worker: str) -> None:
-        self._raise_failed(await self._submit({"op": "set_preferred_leader", "group": gid, "leader": worker}))
+    async def _prefer(self, gid: int, worker: str, pinned: bool = True) -> None:
+        self._raise_failed(await self._submit({"op": "set_preferred_leader", "group": gid, "leader": worker,
+                                               "pinned": pinned}))
 
     async def replicas(self, request: web.Request) -> web.Response:
         """Start a staged operator: add a replica (learner, catch up, promote) or remove one."""
@@ -629,8 +633,33 @@ class MetaServer:
                               attempt=b.attempts)
                 self.c_balance.inc()
                 actions.append(move)
+            if not any(isinstance(a, StartTransfer) for a in actions) and topo is not None:
+                actions.extend(await self._balance_counts(now, lease, held | set(sm.operators)))
         for action in actions:
             await self._execute(action)
+
+    async def _balance_counts(self, now: int, lease: int, busy: set[int]) -> list[StartTransfer]:
+        """Leader-count balance (meta/balance.py): the target becomes the preferred leader first."""
+        assert self.soft is not None and self.raft.sm.topology is not None
+        sm = self.raft.sm
+        window = int(sm.topology["settings"].get("rebalance_window_ms", DEFAULT_REBALANCE_WINDOW_MS))
+        isolated = {g for g, t in self.soft.isolation_moved_ms.items()
+                    if now - t < max(ISOLATION_HOLD_LEASES * lease, REBALANCE_AFTER_MS)}
+        out = []
+        for move in balance_leader_counts(list(sm.groups.values()), sm.workers, self.soft, now, lease,
+                                          busy | isolated, self.soft.balance_moved_ms, window):
+            try:
+                await self._prefer(move.group, move.target, pinned=False)
+            except ApiError as err:
+                self.log.warning("leader_count_move_failed", group=move.group, code=err.code, message=err.message)
+                continue
+            self.soft.balance_moved_ms[move.group] = now
+            self._balance.setdefault(move.group, _BalanceMove()).started(now, sm.groups[move.group].term)
+            self.c_decisions.labels("leader_count", "spread").inc()
+            self.log.info("leader_count_move", group=move.group, leader=move.leader, target=move.target,
+                          reason=move.reason)
+            out.append(StartTransfer(move.group, move.leader, move.target))
+        return out
 
     def _balance_idle(self, now: int) -> bool:
         """No balancing move under way: each ended (its group moved on) or timed out."""

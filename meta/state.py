@@ -52,6 +52,9 @@ class GroupRecord:
     # the voters there). A plain default, not a factory: a record pickled
     # before it existed reads () -- nothing to reconcile until the next apply.
     desired: tuple[str, ...] = ()
+    # The preferred leader is an operator's explicit choice (a transfer):
+    # leader-count balance (meta/balance.py) leaves such a group alone.
+    leader_pinned: bool = False
 
     @property
     def ready(self) -> bool:
@@ -151,6 +154,7 @@ class MetaStateMachine:
                 # Replica and leader moves of a live group are staged by the
                 # controller (reconcile, leader balance) toward these.
                 current.preferred_leader = g.leader
+                current.leader_pinned = False
                 current.desired = tuple(g.replicas)
         return ok(topology_revision=self.topology_revision, created_groups=created)
 
@@ -200,9 +204,10 @@ class MetaStateMachine:
             return fail("not_found", f"no group {cmd['group']}")
         if cmd["leader"] not in g.voters:
             return fail("bad_request", f"{cmd['leader']!r} is not a voter of group {g.id}", voters=list(g.voters))
-        if g.preferred_leader == cmd["leader"]:
+        pinned = bool(cmd.get("pinned", True))
+        if (g.preferred_leader, g.leader_pinned) == (cmd["leader"], pinned):
             return ok(changed=False)
-        g.preferred_leader = cmd["leader"]
+        g.preferred_leader, g.leader_pinned = cmd["leader"], pinned
         return ok(group=g.id, preferred_leader=g.preferred_leader)
 
     def _cmd_set_ready(self, cmd: dict[str, Any]) -> dict[str, Any]:

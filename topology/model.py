@@ -50,6 +50,9 @@ class Settings:
     # A replica the controller assigned that has not caught up this long is
     # cancelled and placed on another worker (meta/repair.py).
     assignment_timeout_ms: int = 300_000
+    # A balancing move (meta/balance.py) is never followed by another move of
+    # the same group's leadership within this window.
+    rebalance_window_ms: int = 30_000
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

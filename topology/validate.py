@@ -48,7 +48,7 @@ WORKER_KEYS = ("id", "http", "zone")
 WORKER_REQUIRED = ("id", "http")
 GROUP_KEYS = ("id", "leader", "replicas")
 SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every", "embedding_dim",
-                 "replace_after_ms", "assignment_timeout_ms")
+                 "replace_after_ms", "assignment_timeout_ms", "rebalance_window_ms")
 SETTINGS_ENUMS = {"ack": ACK_MODES, "fsync": FSYNC_MODES}
 
 
