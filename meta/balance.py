@@ -21,12 +21,13 @@ only when:
   progress, and was not moved (by this rule, isolation or hot relief) within
   the decision window.
 
-An operator's transfer pins the group's leader (`leader_pinned`): such a
-group is left where the operator put it. Groups whose preferred leader
-cannot lead (not a voter, or on a worker that is not eligible) are moved
-first: they have no leader anyone can have asked for. A file's `leader:`
-is a preference, not a pin: a file that puts more than one leadership too
-many on a worker is balanced, and the difference shows as drift.
+An operator's transfer, and a file that pins `groups:`, pin the group's
+leader (`leader_pinned`): such a group is left where it was put while that
+leader can lead. Groups whose preferred leader cannot lead (not a voter,
+or on a worker that is not eligible) are moved first: they have no leader
+anyone can have asked for. Automatic placement spreads leaders evenly, so
+this rule mostly re-homes the leaderships of replaced workers and gives
+workers that joined later their share.
 Every move reduces the spread and the rule stops at a difference of one, so
 it cannot undo its own moves.
 """

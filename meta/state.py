@@ -52,8 +52,9 @@ class GroupRecord:
     # the voters there). A plain default, not a factory: a record pickled
     # before it existed reads () -- nothing to reconcile until the next apply.
     desired: tuple[str, ...] = ()
-    # The preferred leader is an operator's explicit choice (a transfer):
-    # leader-count balance (meta/balance.py) leaves such a group alone.
+    # The preferred leader was chosen explicitly (an operator's transfer, or a
+    # file that pins `groups:`): leader-count balance (meta/balance.py) leaves
+    # such a group alone.
     leader_pinned: bool = False
 
     @property
@@ -148,13 +149,14 @@ class MetaStateMachine:
             current = self.groups.get(g.id)
             if current is None:
                 self.groups[g.id] = GroupRecord(id=g.id, term=1, leader=g.leader, voters=list(g.replicas),
-                                                preferred_leader=g.leader, desired=tuple(g.replicas))
+                                                preferred_leader=g.leader, desired=tuple(g.replicas),
+                                                leader_pinned=topo.groups_explicit)
                 created.append(g.id)
             else:
                 # Replica and leader moves of a live group are staged by the
                 # controller (reconcile, leader balance) toward these.
                 current.preferred_leader = g.leader
-                current.leader_pinned = False
+                current.leader_pinned = topo.groups_explicit
                 current.desired = tuple(g.replicas)
         return ok(topology_revision=self.topology_revision, created_groups=created)
 

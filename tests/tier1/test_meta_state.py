@@ -160,3 +160,18 @@ def test_apply_sets_each_live_groups_desired_placement(sm: MetaStateMachine) -> 
     g = sm.groups[0]
     # The voters stay until reconcile moves them; the placement is what it drives to.
     assert (g.voters, g.desired, sm.groups[1].desired) == (["w1", "w2", "w3"], ("w1", "w2", "w4"), ("w1", "w2", "w3"))
+
+
+def test_a_file_that_pins_groups_pins_their_leaders_and_an_automatic_one_does_not() -> None:
+    from meta.state import MetaStateMachine
+    from topology.loader import load_topology
+
+    text = EXAMPLE
+    sm = MetaStateMachine()
+    topo = load_topology(text)
+    assert sm.apply({"op": "put_topology", "expect_revision": 0, "topology": topo.to_dict(), "text": text})["ok"]
+    assert topo.groups_explicit and all(g.leader_pinned for g in sm.groups.values())
+    assert sm.apply({"op": "set_preferred_leader", "group": 0, "leader": sm.groups[0].voters[1], "pinned": False})["ok"]
+    assert not sm.groups[0].leader_pinned
+    assert sm.apply({"op": "set_preferred_leader", "group": 0, "leader": sm.groups[0].voters[1]})["ok"]
+    assert sm.groups[0].leader_pinned  # an operator's choice
