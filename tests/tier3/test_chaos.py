@@ -395,7 +395,7 @@ def test_8_isolated_leader_does_not_hold_its_shard_down(tmp_path: Path, scenario
 def test_9_a_voter_that_never_comes_back_is_replaced(tmp_path: Path) -> None:
     """3 voters and an undeclared, available worker: SIGKILL a voter for good. Within
     replace_after_ms (4 s here) plus catch-up, every group is back at RF 3 on the
-    available worker, under load, nothing lost."""
+    available worker, and each live worker leads one group, under load, nothing lost."""
     c = Cluster.create(tmp_path / "cluster", n_workers=4, n_gateways=2)
     try:
         c.boot(c.topology_yaml(snapshot_every=500, groups=GROUPS, declared=3, settings="replace_after_ms: 4000"),
@@ -414,6 +414,10 @@ def test_9_a_voter_that_never_comes_back_is_replaced(tmp_path: Path) -> None:
                     for g in v["groups"].values())
             wait_until(repaired, 60, "every group to replace w3 by w4 and drop w3", interval=0.3)
             took = time.monotonic() - killed
+            # w3's leadership failed over onto w1 or w2; leader-count balance
+            # gives it to w4 (its preferred leader w3 cannot lead): one each.
+            wait_until(lambda: sorted(g["leader"] for g in c.view()["groups"].values()) == ["w1", "w2", "w4"], 40,
+                       "one leadership per live worker", interval=0.3)
             load.wait_more(300)
         finally:
             result = load.finish()
