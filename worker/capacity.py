@@ -9,6 +9,7 @@ its replicas already use, and what the filesystem has left.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,17 @@ def tree_bytes(root: Path) -> int:
         except OSError:
             continue  # removed while we walked (a snapshot rotated, a WAL segment dropped)
     return total
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `path`: a worker
+    that hosts nothing yet may not have created its data directory."""
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue  # not there (yet): its parent's filesystem is where it will be
+    return 0
 
 
 def resident_bytes() -> int:

@@ -8,7 +8,6 @@ leader, and reports to meta what the cores ask for (ready, transfer).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import time
 import uuid
@@ -26,7 +25,7 @@ from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
 from worker import replica_msgs as m
-from worker.capacity import Capacity, resident_bytes, tree_bytes
+from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
 from worker.plugins.base import PluginSettings, load_plugin
 from worker.server import WorkerApi
@@ -302,10 +301,7 @@ class WorkerNode:
         """What this worker has left for one more replica (worker/capacity.py)."""
         groups = self.cfg.data / "groups"
         used = await asyncio.to_thread(tree_bytes, groups)
-        try:
-            free = shutil.disk_usage(self.cfg.data).free
-        except OSError:
-            free = 0
+        free = free_bytes(self.cfg.data)
         state = ""
         if self.view is not None:
             state = str(self.view.get("workers", {}).get(self.id, {}).get("state", ""))

@@ -7,7 +7,7 @@ from pathlib import Path
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
 
-from worker.capacity import HEADROOM, MIN_FREE_BYTES, Capacity, refusal, tree_bytes
+from worker.capacity import HEADROOM, MIN_FREE_BYTES, Capacity, free_bytes, refusal, tree_bytes
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import WorkerApi
 
@@ -44,7 +44,8 @@ def test_tree_bytes_counts_files_below(tmp_path: Path) -> None:
 
 
 async def test_the_endpoint_answers_409_with_the_reason_or_200(tmp_path: Path) -> None:
-    node = WorkerNode(WorkerConfig("w4", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path,
+    # A worker that hosts nothing yet has not made its data directory.
+    node = WorkerNode(WorkerConfig("w4", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path / "w4-data",
                                    available_disk=1 << 20), structlog.get_logger())
     client = TestClient(TestServer(WorkerApi(node).app()))
     await client.start_server()
@@ -65,3 +66,7 @@ async def test_the_endpoint_answers_409_with_the_reason_or_200(tmp_path: Path) -
         await client.close()
         await node.meta.close()
         await node.transport.close()
+
+
+def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path: Path) -> None:
+    assert free_bytes(tmp_path / "data" / "groups") == free_bytes(tmp_path) > 0
