@@ -24,6 +24,7 @@ import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.auth import read_secret
+from shardgrid.drift import drift, render_drift
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
@@ -170,6 +171,7 @@ async def gather_status(client: MetaClient) -> dict[str, Any]:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
 
     view["meta_nodes"] = list(await asyncio.gather(*(one(n) for n in nodes)))
+    view["drift"] = [d.to_dict() for d in drift(view.get("topology"), view)]
     return view
 
 
@@ -210,6 +212,13 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} {hosted:>6} "
                      f"{len(leads):>5} {rate:>8}  {', '.join(offered) or '-'}")
     lines.append("")
+    drifted = drift(st.get("topology"), st)
+    if drifted:
+        # The file pins these groups elsewhere: the controller chose availability
+        # (repair, drain) or an operator moved them; applying the file moves them back.
+        lines.append("DRIFT (groups whose live placement differs from the applied file)")
+        lines.extend(f"  {render_drift(d)}" for d in drifted)
+        lines.append("")
     problems = replica_problems(st)
     if problems is None:
         lines.append("replica health unknown: this view did not come from the meta leader")
