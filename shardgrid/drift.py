@@ -185,3 +185,17 @@ def move_back(d: GroupDrift, workers: Mapping[str, Any]) -> list[str]:
             f" once {d.file_leader} is a caught-up voter (leader balance)"
         lines.append(f"~ group {d.group}: leader {d.leader or '-'} -> {d.file_leader}{then}")
     return lines
+
+
+def render_apply_drift(file: Mapping[str, Any], view: Mapping[str, Any]) -> list[str]:
+    """`topoctl apply --dry-run`'s drift section: each group of `file` that the
+    live cluster has elsewhere, and what applying the file would move back
+    (or wait for). Empty when nothing drifts."""
+    drifted = drift(file, view)
+    if not drifted:
+        return []
+    lines = ["drift: the live cluster differs from this file's groups (applying it steers them back):"]
+    for d in drifted:
+        lines.append(f"  {render_drift(d)}")
+        lines.extend(f"    {line}" for line in move_back(d, view.get("workers") or {}))
+    return lines

@@ -130,3 +130,16 @@ def test_move_back_of_a_leader_and_of_a_target_alone() -> None:
     adding = view({**as_file(), 1: group(["w1", "w2", "w3"], "w2", learners=["w4"], desired=["w1", "w2", "w4"])})
     assert move_back(drift(FILE, adding)[0], adding["workers"]) == \
         ["~ group 1: desired w1,w2,w4 -> w1,w2,w3 (the controller's target back to the file)"]
+
+
+def test_the_dry_run_section_lists_each_drifted_group_and_what_applying_moves() -> None:
+    from shardgrid.drift import render_apply_drift
+
+    v = view({**as_file(), 1: group(["w1", "w2", "w4"], "w2")}, workers={"w3": {"state": "removed", "live": False}})
+    assert render_apply_drift(FILE, v) == [
+        "drift: the live cluster differs from this file's groups (applying it steers them back):",
+        "  group 1: file w1,w2,w3; live w1,w2,w4 (w3 removed: repaired onto w4; "
+        "the controller keeps w1,w2,w4 until the file is applied again)",
+        "    ~ group 1: replica w4 -> w3 waits for w3 (not live); the group keeps w1,w2,w4 meanwhile",
+    ]
+    assert render_apply_drift(FILE, view(as_file())) == []
