@@ -27,7 +27,7 @@ from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
                          repair)
-from meta.state import GroupRecord
+from meta.state import GroupRecord, MetaStateMachine
 from shardgrid.auth import check_bearer
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.units import MAX_BYTES
@@ -35,7 +35,7 @@ from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middlewa
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import GroupSpec, Topology
-from topology.plan import action_to_dict, other_changes, plan, render_action, render_plan
+from topology.plan import Action, action_to_dict, other_changes, plan, render_action, render_plan
 
 MAX_TOPOLOGY_BYTES = 1 << 20
 MAX_WATCH_S = 60.0
@@ -255,20 +255,24 @@ class MetaServer:
                 raise ApiError("bad_request", "invalid topology", errors=err.to_list()) from None
             current = [GroupSpec(g.id, g.leader or "", tuple(g.voters)) for g in sm.groups.values()]
             actions = plan(current, desired.groups)
-            unchanged = sm.topology == desired.to_dict()
-            others = other_changes(sm.topology, desired.to_dict())
+            # The same file again still moves back what the controller moved
+            # away from its pinned `groups:` (repair, drain, the verbs).
+            stale = sm.stale_placement(desired)
+            unchanged = sm.topology == desired.to_dict() and not stale
+            others = other_changes(sm.topology, desired.to_dict()) + _retarget_lines(sm, desired, stale, actions)
             text = "\n".join([render_action(a) for a in actions] + others) or render_plan(actions)
             answer = {"dry_run": dry_run, "changed": not unchanged, "plan": [action_to_dict(a) for a in actions],
                       "changes": others, "plan_text": text, "topology_revision": sm.topology_revision}
             if dry_run or unchanged:
                 return json_response(answer)
             result = await self._submit({"op": "put_topology", "text": body.decode("utf-8"),
-                                         "topology": desired.to_dict(), "expect_revision": revision})
+                                         "topology": desired.to_dict(), "expect_revision": revision,
+                                         "reassert": True})
             if result.get("ok"):
                 answer.update(changed=result.get("changed", True), topology_revision=result["topology_revision"],
                               revision=result["revision"])
                 self.log.info("topology_applied", topology_revision=result["topology_revision"],
-                              actions=len(actions))
+                              actions=len(actions), reasserted=result.get("reasserted", []))
                 return json_response(answer)
             if result["code"] == "conflict" and expect is None and time.monotonic() < deadline:
                 # Our applied state was behind the log: wait for it and re-plan.
@@ -775,6 +779,24 @@ class MetaServer:
                              error=type(exc).__name__)
         # Give the change time to show up in heartbeats before the next attempt.
         await asyncio.sleep(0.3)
+
+
+def _retarget_lines(sm: MetaStateMachine, topo: Topology, stale: list[int], actions: list[Action]) -> list[str]:
+    """A plan line for each group the file steers back that no move shows (its
+    voters and leader already are the file's; only where the controller steers
+    it changes), so the plan never says "no changes" for a file that changes it."""
+    moved = {a.group for a in actions}
+    out: list[str] = []
+    for g in topo.groups:
+        if g.id not in stale or g.id in moved:
+            continue
+        rec = sm.groups[g.id]
+        if sorted(rec.desired) != sorted(g.replicas):
+            out.append(f"~ group {g.id}: desired {','.join(rec.desired) or '-'} -> {','.join(g.replicas)} "
+                       "(the file's placement again)")
+        if rec.preferred_leader != g.leader:
+            out.append(f"~ group {g.id}: preferred leader {rec.preferred_leader or '-'} -> {g.leader}")
+    return out
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

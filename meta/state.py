@@ -127,23 +127,24 @@ class MetaStateMachine:
             # The caller validated against this revision; this guards the log itself.
             return fail("bad_request", "shards cannot change on a live cluster")
         if self.topology == cmd["topology"]:
-            # Same model (perhaps other comments or spacing): nothing to do.
-            return ok(changed=False, topology_revision=self.topology_revision)
+            # Same model (perhaps other comments or spacing): nothing to do,
+            # unless the caller re-asserts a pinned placement the controller
+            # moved since (repair, drain, the replica verbs, a transfer). The
+            # flag keeps entries logged before it meaning what they meant.
+            stale = self.stale_placement(topo) if cmd.get("reassert") else []
+            if not stale:
+                return ok(changed=False, topology_revision=self.topology_revision)
+            self._declare_workers(topo)
+            for g in topo.groups:
+                if g.id in stale:
+                    self.groups[g.id].preferred_leader = g.leader
+                    self.groups[g.id].leader_pinned = True
+                    self.groups[g.id].desired = tuple(g.replicas)
+            return ok(topology_revision=self.topology_revision, created_groups=[], reasserted=stale)
         self.topology_text = cmd["text"]
         self.topology = cmd["topology"]
         self.topology_revision += 1
-        declared = {w.id for w in topo.workers}
-        for spec in topo.workers:
-            rec = self.workers.get(spec.id)
-            if rec is None:
-                self.workers[spec.id] = WorkerRecord(spec.id, spec.http, spec.zone, "active")
-            else:
-                rec.addr, rec.zone = spec.http, spec.zone
-                if rec.state in ("available", "removed"):
-                    rec.state = "active"
-        for rec in self.workers.values():
-            if rec.id not in declared and rec.state == "active":
-                rec.state = "available"
+        self._declare_workers(topo)
         created = []
         for g in topo.groups:
             current = self.groups.get(g.id)
@@ -159,6 +160,31 @@ class MetaStateMachine:
                 current.leader_pinned = topo.groups_explicit
                 current.desired = tuple(g.replicas)
         return ok(topology_revision=self.topology_revision, created_groups=created)
+
+    def stale_placement(self, topo: Topology) -> list[int]:
+        """The groups a file with `groups:` pins other than where meta now steers
+        them (desired placement or preferred leader): the controller or an
+        operator moved them since it was applied. Automatic placement pins nothing."""
+        if not topo.groups_explicit:
+            return []
+        return [g.id for g in topo.groups if g.id in self.groups and (
+            sorted(self.groups[g.id].desired) != sorted(g.replicas) or self.groups[g.id].preferred_leader != g.leader)]
+
+    def _declare_workers(self, topo: Topology) -> None:
+        """The file's workers are active (a `removed` one too: the file names it
+        again); an active worker the file no longer declares is only available."""
+        declared = {w.id for w in topo.workers}
+        for spec in topo.workers:
+            rec = self.workers.get(spec.id)
+            if rec is None:
+                self.workers[spec.id] = WorkerRecord(spec.id, spec.http, spec.zone, "active")
+            else:
+                rec.addr, rec.zone = spec.http, spec.zone
+                if rec.state in ("available", "removed"):
+                    rec.state = "active"
+        for rec in self.workers.values():
+            if rec.id not in declared and rec.state == "active":
+                rec.state = "available"
 
     def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
         wid, addr = cmd["id"], cmd["addr"]

@@ -1,7 +1,8 @@
 """topoctl: the operator's command line for a shardgrid cluster.
 
-    topoctl apply FILE [--dry-run]   validate, print the plan, apply it (compare-and-set)
-    topoctl status [--json]          meta nodes and who leads, groups, workers
+    topoctl apply FILE [--dry-run]   validate, print the plan, apply it (compare-and-set);
+                                     --dry-run also prints the live cluster's drift from FILE
+    topoctl status [--json]          meta nodes and who leads, groups, workers, drift from the file
     topoctl get                      the applied topology YAML
     topoctl transfer SHARD [--to W]  move a group's leadership (graceful, fenced)
     topoctl replicas SHARD --add W | --remove W
@@ -24,6 +25,7 @@ import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.auth import read_secret
+from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
@@ -61,7 +63,7 @@ async def cmd_apply(args: argparse.Namespace) -> int:
         _err(f"topoctl: cannot read {path}: {exc.strerror}")
         return EXIT_REJECTED
     try:
-        load_topology(raw)  # offline check first: errors even when meta is down
+        topo = load_topology(raw)  # offline check first: errors even when meta is down
     except TopologyError as err:
         _err(f"topoctl: {path} is invalid; nothing was applied:")
         for e in err.errors:
@@ -73,8 +75,15 @@ async def cmd_apply(args: argparse.Namespace) -> int:
         _out(f"plan against topology revision {preview['topology_revision']}:")
         for line in preview["plan_text"].splitlines():
             _out(f"  {line}")
+        if args.dry_run:
+            for line in render_apply_drift(topo.to_dict(), await leader_view(client)):
+                _out(line)
         if not preview["changed"]:
-            _out("topology unchanged: nothing to apply")
+            # Moves in the plan of an unchanged file: meta already steers there
+            # (after an earlier apply), waiting for a worker or a step.
+            _out("topology unchanged: nothing to apply" + (
+                " (the controller already steers toward it; topoctl status shows the drift)"
+                if preview.get("plan") else ""))
             return 0
         if args.dry_run:
             _out("dry run: nothing applied")
@@ -147,17 +156,24 @@ async def follow_convergence(client: MetaClient, wait_s: float) -> int:
 
 # -- status ----------------------------------------------------------------------
 
-async def gather_status(client: MetaClient) -> dict[str, Any]:
+async def leader_view(client: MetaClient) -> dict[str, Any]:
+    """The cluster view, from the meta leader when it answers: only it holds
+    the workers' heartbeat reports (liveness, replica health)."""
     view = await client.cluster()
     nodes = view.get("meta", [])
     leader_http = next((n["http"] for n in nodes if n["id"] == view.get("meta_leader")), None)
     if leader_http and view.get("served_by") != view.get("meta_leader"):
-        # Only the meta leader holds the workers' heartbeat reports (replica health).
         client.prefer(leader_http)
         try:
             view = await client.cluster(deadline_s=3.0)
         except (MetaUnreachable, MetaError):
             pass  # the follower's view still answers everything else
+    return view
+
+
+async def gather_status(client: MetaClient) -> dict[str, Any]:
+    view = await leader_view(client)
+    nodes = view.get("meta", [])
 
     async def one(node: dict[str, str]) -> dict[str, Any]:
         try:
@@ -170,6 +186,7 @@ async def gather_status(client: MetaClient) -> dict[str, Any]:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
 
     view["meta_nodes"] = list(await asyncio.gather(*(one(n) for n in nodes)))
+    view["drift"] = [d.to_dict() for d in drift(view.get("topology"), view)]
     return view
 
 
@@ -210,6 +227,13 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} {hosted:>6} "
                      f"{len(leads):>5} {rate:>8}  {', '.join(offered) or '-'}")
     lines.append("")
+    drifted = drift(st.get("topology"), st)
+    if drifted:
+        # The file pins these groups elsewhere: the controller chose availability
+        # (repair, drain) or an operator moved them; applying the file moves them back.
+        lines.append("DRIFT (groups whose live placement differs from the applied file)")
+        lines.extend(f"  {render_drift(d)}" for d in drifted)
+        lines.append("")
     problems = replica_problems(st)
     if problems is None:
         lines.append("replica health unknown: this view did not come from the meta leader")
@@ -407,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
     a.add_argument("file")
-    a.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    a.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the live cluster's drift from the file, and stop")
     a.add_argument("--no-wait", action="store_true", help="return once applied, without following the moves")
     a.add_argument("--wait", type=float, default=600.0,
                    help=f"seconds to follow the moves until converged (default 600); exit {EXIT_NOT_CONVERGED} "

@@ -344,3 +344,28 @@ async def test_the_controller_asks_the_worker_first_and_a_refusal_starts_nothing
     # Given up on: cancelled, and w1 refused for the group (reason "timeout").
     await server._execute(CancelAssignment(0, "w1", "too slow"))
     assert not raft.sm.operators and server.soft.refused[(0, "w1")].reason == "timeout"
+
+
+async def test_the_same_pinned_file_again_steers_back_what_the_controller_moved(tmp_path: Path,
+                                                                                aiohttp_client: Any) -> None:
+    raft, server = _single_meta(tmp_path, MetaServerConfig())
+    try:
+        api = await aiohttp_client(server.app())
+        await _until(raft.is_leader, "the single meta node to lead")
+        assert (await put(api, EXAMPLE)).status == 200
+        # Repair's trace: group 1's target took w4 in w3's place; the add is still on its way.
+        assert (await raft.submit({"op": "put_operator", "group": 1, "kind": "add", "worker": "w4",
+                                   "step": "add_learner", "replaces": "w3"}, 5.0))["ok"]
+        assert (await raft.submit({"op": "update_operator", "group": 1, "kind": "add", "worker": "w4",
+                                   "step": "done", "done": True, "cancelled": False}, 5.0))["ok"]
+        dry = await (await put(api, EXAMPLE, dry_run="1")).json()
+        # The voters are still the file's: no move, but the plan says what changes.
+        assert dry["changed"] and dry["plan"] == []
+        assert dry["plan_text"] == "~ group 1: desired w1,w2,w4 -> w1,w2,w3 (the file's placement again)"
+        applied = await (await put(api, EXAMPLE)).json()
+        assert applied["changed"] and applied["topology_revision"] == 1
+        assert raft.sm.groups[1].desired == ("w1", "w2", "w3")
+        again = await (await put(api, EXAMPLE)).json()
+        assert again["changed"] is False and again["plan_text"] == "no changes"
+    finally:
+        raft.close()

@@ -175,3 +175,40 @@ def test_a_file_that_pins_groups_pins_their_leaders_and_an_automatic_one_does_no
     assert not sm.groups[0].leader_pinned
     assert sm.apply({"op": "set_preferred_leader", "group": 0, "leader": sm.groups[0].voters[1]})["ok"]
     assert sm.groups[0].leader_pinned  # an operator's choice
+
+
+def _repair_group_1_onto_w4(sm: MetaStateMachine) -> None:
+    """What repair leaves behind: w3 declared gone, group 1's w3 replaced by w4."""
+    assert sm.apply({"op": "set_worker_state", "id": "w3", "state": "removed"})["ok"]
+    assert sm.apply({"op": "put_operator", "group": 1, "kind": "add", "worker": "w4", "step": "add_learner",
+                     "replaces": "w3"})["ok"]
+    assert sm.apply({"op": "update_operator", "group": 1, "kind": "add", "worker": "w4", "step": "done",
+                     "done": True})["ok"]
+    assert sm.groups[1].desired == ("w1", "w2", "w4")
+
+
+def test_reasserting_the_same_pinned_file_steers_moved_groups_back(sm: MetaStateMachine) -> None:
+    _repair_group_1_onto_w4(sm)
+    sm.apply({"op": "set_preferred_leader", "group": 2, "leader": "w1"})  # a transfer
+    assert sm.stale_placement(load_topology(EXAMPLE)) == [1, 2]
+    # An entry without the flag (logged before it existed) keeps meaning "no-op".
+    assert put(sm, EXAMPLE, 1)["changed"] is False and sm.groups[1].desired == ("w1", "w2", "w4")
+    rev = sm.revision
+    res = sm.apply({"op": "put_topology", "text": EXAMPLE, "topology": load_topology(EXAMPLE).to_dict(),
+                    "expect_revision": 1, "reassert": True})
+    assert res["ok"] and res["reasserted"] == [1, 2] and res["topology_revision"] == 1 and sm.revision == rev + 1
+    assert sm.groups[1].desired == ("w1", "w2", "w3") and sm.groups[2].preferred_leader == "w3"
+    assert sm.workers["w3"].state == "active"  # the file names it: eligible again once it is live
+    again = sm.apply({"op": "put_topology", "text": EXAMPLE, "topology": load_topology(EXAMPLE).to_dict(),
+                      "expect_revision": 1, "reassert": True})
+    assert again["changed"] is False and sm.stale_placement(load_topology(EXAMPLE)) == []
+
+
+def test_automatic_placement_is_never_reasserted(sm: MetaStateMachine) -> None:
+    auto = EXAMPLE.split("groups:")[0] + "settings: {lease_ms: 1500}\n"
+    assert put(sm, auto, 1)["ok"] and sm.topology_revision == 2
+    _repair_group_1_onto_w4(sm)
+    assert sm.stale_placement(load_topology(auto)) == []
+    res = sm.apply({"op": "put_topology", "text": auto, "topology": load_topology(auto).to_dict(),
+                    "expect_revision": 2, "reassert": True})
+    assert res["changed"] is False and sm.groups[1].desired == ("w1", "w2", "w4")

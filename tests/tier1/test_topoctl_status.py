@@ -1,7 +1,7 @@
 """`topoctl status` rendering (the human view of meta's cluster state)."""
 from __future__ import annotations
 
-from shardgrid.topoctl import render_status
+from shardgrid.topoctl import gather_status, render_status
 
 
 def test_status_marks_groups_away_from_their_preferred_leader() -> None:
@@ -104,3 +104,67 @@ def test_status_shows_load_per_group_and_per_worker() -> None:
     workers = {ln.split()[0]: ln.split() for ln in lines if ln.startswith("w")}
     assert workers["w1"][5:8] == ["2", "1", "120"]  # groups hosted, leaderships, writes/s led
     assert workers["w2"][5:8] == ["3", "2", "?"]  # it leads group 2, whose rate is unknown
+
+
+def _pinned(groups: dict[str, dict], workers: dict[str, dict]) -> dict:
+    """A status whose applied file pins every group on w1,w2,w3 (leaders w1, w2)."""
+    topo = {"cluster": "c1", "groups_explicit": True,
+            "groups": [{"id": 0, "leader": "w1", "replicas": ["w1", "w2", "w3"]},
+                       {"id": 1, "leader": "w2", "replicas": ["w1", "w2", "w3"]}]}
+    return {
+        "topology": topo, "revision": 9, "topology_revision": 1, "meta_leader": "m1",
+        "meta_nodes": [{"id": "m1", "http": "127.0.0.1:7101", "up": True, "role": "leader", "revision": 9}],
+        "groups": {gid: {"term": 3, "ready": True, "learners": [], **g} for gid, g in groups.items()},
+        "workers": {wid: {"addr": "127.0.0.1:7201", "zone": "a", "state": "active", "live": True, **w}
+                    for wid, w in workers.items()},
+        "operators": {},
+    }
+
+
+def test_status_shows_drift_from_the_applied_file_and_why() -> None:
+    st = _pinned({"0": {"leader": "w1", "preferred_leader": "w1", "voters": ["w1", "w2", "w3"],
+                        "desired": ["w1", "w2", "w3"]},
+                  "1": {"leader": "w2", "preferred_leader": "w2", "voters": ["w1", "w2", "w4"],
+                        "desired": ["w1", "w2", "w4"]}},
+                 {"w1": {}, "w2": {}, "w3": {"state": "removed", "live": False}, "w4": {}})
+    lines = render_status(st).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("DRIFT"))
+    assert lines[start + 1:start + 3] == [
+        "  group 1: file w1,w2,w3; live w1,w2,w4 (w3 removed: repaired onto w4; "
+        "the controller keeps w1,w2,w4 until the file is applied again)",
+        "",
+    ]
+
+
+def test_status_shows_no_drift_section_when_the_cluster_is_the_file() -> None:
+    same = {"voters": ["w1", "w2", "w3"], "desired": ["w1", "w2", "w3"]}
+    st = _pinned({"0": {"leader": "w1", "preferred_leader": "w1", **same},
+                  "1": {"leader": "w2", "preferred_leader": "w2", **same}},
+                 {"w1": {}, "w2": {}, "w3": {}})
+    assert "DRIFT" not in render_status(st)
+    # The same cluster with the file's leader of group 0 failed over is drift.
+    st["groups"]["0"]["leader"] = "w2"
+    assert "  group 0: file w1,w2,w3 leader w1; live w1,w2,w3 leader w2 (leader balance moves it back to w1 " \
+           "once w1 is caught up)" in render_status(st).splitlines()
+
+
+async def test_status_json_carries_the_drift() -> None:
+    st = _pinned({"0": {"leader": "w1", "preferred_leader": "w1", "voters": ["w1", "w2", "w4"],
+                        "desired": ["w1", "w2", "w4"]},
+                  "1": {"leader": "w2", "preferred_leader": "w2", "voters": ["w1", "w2", "w3"],
+                        "desired": ["w1", "w2", "w3"]}},
+                 {"w1": {}, "w2": {}, "w3": {"state": "draining"}, "w4": {}})
+    st.update(meta=[{"id": "m1", "http": "127.0.0.1:7101"}], served_by="m1")
+    del st["meta_nodes"]
+
+    class FakeMeta:
+        async def cluster(self, deadline_s: float | None = None) -> dict:
+            return st
+
+        async def status(self, http: str) -> dict:
+            return {"role": "leader", "leader": "m1", "revision": 9, "raft_term": 2}
+
+    out = await gather_status(FakeMeta())  # type: ignore[arg-type]
+    (d,) = out["drift"]
+    assert d["group"] == 0 and d["voters"] == ("w1", "w2", "w4") and d["file_replicas"] == ("w1", "w2", "w3")
+    assert d["line"].startswith("group 0: file w1,w2,w3; live w1,w2,w4 (w3 draining: drained onto w4")

@@ -154,3 +154,42 @@ def test_transfer_under_load_then_add_and_remove_replicas(cluster: Cluster) -> N
     survivors = [w for w in voters if w != victim]
     bad = c.topoctl("replicas", "1", "--remove", survivors[0], "--no-wait", timeout=10)
     assert bad.returncode == 1 and "quorum" in bad.stderr, bad.stderr
+
+
+def test_repair_under_pinned_groups_is_drift_and_reapplying_the_file_moves_it_back(tmp_path: Path) -> None:
+    """Availability before obedience, then obedience: a voter the file pins dies for good;
+    repair restores RF on the spare worker, and `topoctl status` and `apply --dry-run`
+    show the drift. Re-applying the same file steers the groups back, which waits while
+    the worker is down and happens once it is back."""
+    c = Cluster.create(tmp_path / "cluster", n_workers=4)
+    try:
+        text = c.topology_yaml(snapshot_every=100, groups=GROUPS, declared=3, settings="replace_after_ms: 4000")
+        c.boot(text)
+        path = c.write_topology(text)
+
+        def placed(voters: list[str]) -> bool:
+            v = c.view()
+            return not v["operators"] and all(sorted(g["voters"]) == voters and not g["learners"] and g["ready"]
+                                              for g in v["groups"].values())
+
+        c.kill("w3")
+        wait_until(lambda: placed(["w1", "w2", "w4"]), 60, "repair to move every group from w3 to w4", interval=0.3)
+        status = c.topoctl("status")
+        assert "  group 1: file w1,w2,w3; live w1,w2,w4 (w3 not live: repaired onto w4; the controller keeps " \
+               "w1,w2,w4 until the file is applied again)" in status.stdout.splitlines(), status.stdout
+        dry = c.topoctl("apply", str(path), "--dry-run")
+        assert dry.returncode == 0 and "dry run: nothing applied" in dry.stdout, dry.stdout + dry.stderr
+        assert "    ~ group 1: replica w4 -> w3 waits for w3 (not live); the group keeps w1,w2,w4 meanwhile" in \
+            dry.stdout.splitlines(), dry.stdout
+
+        again = c.topoctl("apply", str(path), "--no-wait")
+        assert again.returncode == 0 and "applied: topology revision 1" in again.stdout, again.stdout + again.stderr
+        waiting = c.topoctl("status").stdout
+        assert "the controller waits for w3 to move it back" in waiting, waiting
+        c.start_workers(["w3"])
+        wait_until(lambda: placed(["w1", "w2", "w3"]), 90, "reconcile to move every group back to w3", interval=0.5)
+        wait_until(lambda: "DRIFT" not in c.topoctl("status").stdout, 60, "leader balance to give w3 group 2 back")
+        last = c.topoctl("apply", str(path), "--dry-run")
+        assert "no changes" in last.stdout and "drift" not in last.stdout, last.stdout
+    finally:
+        c.close()
