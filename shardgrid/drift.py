@@ -108,8 +108,9 @@ def _why(pin: tuple[tuple[str, ...], str], g: Mapping[str, Any], op: Mapping[str
             out.append(f"the controller waits for {','.join(waiting)} to move it back")
     leader, preferred = g.get("leader"), g.get("preferred_leader")
     if preferred and preferred != file_leader:
-        # Only `topoctl transfer` sets a preferred leader other than the file's.
-        out.append(f"preferred leader {preferred} (topoctl transfer)")
+        # An operator's transfer pins its choice; the balancing rules do not.
+        why = "topoctl transfer" if g.get("leader_pinned", True) else "leader balancing"
+        out.append(f"preferred leader {preferred} ({why})")
     elif leader != file_leader and file_leader in voters:
         note = worker_note(file_leader, workers)
         out.append(f"{file_leader} {note}" if note else

@@ -98,6 +98,8 @@ def test_leader_drift_says_what_moves_it_back() -> None:
     transferred = view({**as_file(), 0: group(["w1", "w2", "w3"], "w3")})
     (d,) = drift(FILE, transferred)
     assert d.why == ("preferred leader w3 (topoctl transfer)",)
+    balanced = view({**as_file(), 0: {**group(["w1", "w2", "w3"], "w3"), "leader_pinned": False}})
+    assert drift(FILE, balanced)[0].why == ("preferred leader w3 (leader balancing)",)
     down = view({**as_file(), 0: group(["w1", "w2", "w3"], "w2", preferred="w1")}, workers={"w1": {"live": False}})
     assert drift(FILE, down)[0].why == ("w1 not live",)
 
