@@ -47,6 +47,11 @@ class Settings:
     embedding_dim: int = 64  # fixed per cluster
     # A voter silent this long is replaced by another worker (meta/repair.py).
     replace_after_ms: int = 60_000
+    # Snapshot downloads a worker serves at once (a learner beyond it is told
+    # to come back later), and the MB/s of snapshot data it sends, shared by
+    # them (0 = unlimited): moving replicas must not starve replication.
+    snapshot_concurrency: int = 2
+    snapshot_rate_mb_s: int = 64
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
