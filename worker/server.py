@@ -381,11 +381,11 @@ class WorkerApi:
                            reason=SNAPSHOT_BUSY, shard=shell.gid, serving=serving.serving,
                            limit=serving.concurrency)
         try:
-            return await self._stream_file(request, snap.path, start, stop, snap.size)
+            return await self._stream_file(request, shell.gid, snap.path, start, stop, snap.size)
         finally:
             serving.finish()
 
-    async def _stream_file(self, request: web.Request, path: Path, start: int, stop: int,
+    async def _stream_file(self, request: web.Request, gid: int, path: Path, start: int, stop: int,
                            size: int) -> web.StreamResponse:
         # Opened before the answer starts: a snapshot pruned meanwhile stays
         # readable through this handle, and a missing one is still a 404.
@@ -403,7 +403,7 @@ class WorkerApi:
         sent = start
         try:
             await resp.prepare(request)
-            await asyncio.to_thread(f.seek, start)
+            f.seek(start)
             while sent < stop:
                 n = min(serving.chunk(), stop - sent)
                 wait = serving.reserve(n, time.monotonic())
@@ -419,12 +419,12 @@ class WorkerApi:
             # The answer has begun: no error body can follow it. Closing the
             # connection leaves the downloader a short body, and it resumes
             # from what it has (a reset by the downloader lands here too).
-            self.node.log.info("snapshot_serve_interrupted", sent=sent - start, of=stop - start,
+            self.node.log.info("snapshot_serve_interrupted", group=gid, sent=sent - start, of=stop - start,
                                error=f"{type(exc).__name__}: {exc}")
             if request.transport is not None:
                 request.transport.close()
         finally:
-            await asyncio.to_thread(f.close)
+            f.close()
         return resp
 
 
