@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from meta.progress import snapshot_message
 from meta.state import GroupRecord, OperatorRecord
 
 # A group that never had a ready leader holds no data yet: give its first
@@ -104,6 +105,12 @@ class GroupReport:
     leader_silence_ms: int | None = None
     unheard: tuple[str, ...] = ()  # a leader's voters without an answer within the lease
     disk_bytes: int = 0  # what the replica holds on disk (measured every few seconds; 0: not said)
+    # A snapshot download in flight (a learner catching up): bytes received
+    # and the snapshot's size, None when there is none; `snapshot_waiting`:
+    # its source serves its limit of downloads and this one waits for a turn.
+    snapshot_bytes: int | None = None
+    snapshot_total: int | None = None
+    snapshot_waiting: bool = False
 
 
 @dataclass(frozen=True)
@@ -427,6 +434,11 @@ def advance_operator(op: OperatorRecord, group: GroupRecord, soft: SoftState, no
             ok, applied, commit = caught_up(group, soft, w)
             if ok:
                 return [update("promote", f"{w} caught up: applied {applied} of {commit}")]
+            rep = report_of(soft, w, group.id)
+            if rep is not None and rep.snapshot_total is not None and rep.snapshot_bytes is not None:
+                # In 5% steps, so that the message (a meta log entry per change) does not follow every report.
+                return [update("catch_up", snapshot_message(w, rep.snapshot_bytes, rep.snapshot_total,
+                                                            rep.snapshot_waiting))]
             return [update("catch_up", f"{w} catching up: applied {applied} of {commit}")]
         if op.step == "promote":
             if w in group.voters:

@@ -571,10 +571,14 @@ class MetaServer:
                     quorum=_opt_bool(rep.get("quorum")),
                     unheard=tuple(str(v) for v in rep.get("unheard") or ()),
                     leader_silence_ms=_opt_int(rep.get("leader_silence_ms")),
-                    disk_bytes=int(rep.get("disk_bytes", 0) or 0))
+                    disk_bytes=int(rep.get("disk_bytes", 0) or 0),
+                    snapshot_bytes=_opt_int(rep.get("snapshot_bytes")),
+                    snapshot_total=_opt_int(rep.get("snapshot_total")),
+                    snapshot_waiting=bool(rep.get("snapshot_waiting", False)))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
-                           "quorum true/false/null and leader_silence_ms an integer or null") from None
+                           "quorum true/false/null and leader_silence_ms, snapshot_bytes and snapshot_total "
+                           "integers or null") from None
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")

@@ -115,7 +115,7 @@ def pending(view: dict[str, Any]) -> dict[str, str]:
         op = ops.get(str(gid)) or ops.get(gid)
         desired = g.get("desired") or []
         if op is not None:
-            out[str(gid)] = f"{op['kind']} {op['worker']}: {op['step']}" + (f": {op['message']}" if op["message"] else "")
+            out[str(gid)] = operator_text(op)
         elif desired and sorted(g["voters"]) != sorted(desired):
             out[str(gid)] = f"voters {','.join(g['voters'])}, desired {','.join(desired)}: waiting for a step to start"
         elif g["learners"]:
@@ -126,6 +126,11 @@ def pending(view: dict[str, Any]) -> dict[str, str]:
             out[str(gid)] = f"leader {g['leader']}, preferred {g['preferred_leader']}: leader balance moves it " \
                             "once that worker is caught up"
     return out
+
+
+def operator_text(op: dict[str, Any]) -> str:
+    """One operator as a follow line shows it: `add w4: catch_up: w4 receiving snapshot: 12 MB of 40 MB (30%)`."""
+    return f"{op['kind']} {op['worker']}: {op['step']}" + (f": {op['message']}" if op["message"] else "")
 
 
 async def follow_convergence(client: MetaClient, wait_s: float) -> int:
@@ -372,6 +377,7 @@ async def cmd_drain(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + args.wait
         shown = ""
+        ops_shown: dict[str, str] = {}
         while True:
             view = await client.cluster()
             w = view["workers"].get(args.worker, {})
@@ -387,12 +393,15 @@ async def cmd_drain(args: argparse.Namespace) -> int:
                            if args.worker in (*rec["voters"], *rec["learners"]))
             line = (f"  leads groups {','.join(map(str, leads)) or '-'}; hosts groups "
                     f"{','.join(map(str, hosts)) or '-'}")
-            ops = [f"group {g}: {op['kind']} {op['worker']}: {op['step']}"
-                   for g, op in sorted((view.get("operators") or {}).items(), key=lambda kv: int(kv[0]))]
-            line += ("; " + "; ".join(ops)) if ops else ""
             if line != shown:
                 _out(line)
                 shown = line
+            # One line per group whenever its operator's step or message changes (snapshot bytes too).
+            ops = {str(g): operator_text(op) for g, op in (view.get("operators") or {}).items()}
+            for g in sorted(ops, key=int):
+                if ops_shown.get(g) != ops[g]:
+                    _out(f"  group {g}: {ops[g]}")
+            ops_shown = ops
             if loop.time() > deadline:
                 _err(f"topoctl: {args.worker} still draining after {args.wait:.0f} s (it goes on; topoctl operators)")
                 return EXIT_NOT_CONVERGED

@@ -53,6 +53,11 @@ class Settings:
     # A balancing move (meta/balance.py) is never followed by another move of
     # the same group's leadership within this window.
     rebalance_window_ms: int = 30_000
+    # Snapshot downloads a worker serves at once (a learner beyond it is told
+    # to come back later), and the MB/s of snapshot data it sends, shared by
+    # them (0 = unlimited): moving replicas must not starve replication.
+    snapshot_concurrency: int = 2
+    snapshot_rate_mb_s: int = 64
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

@@ -48,7 +48,10 @@ WORKER_KEYS = ("id", "http", "zone")
 WORKER_REQUIRED = ("id", "http")
 GROUP_KEYS = ("id", "leader", "replicas")
 SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every", "embedding_dim",
-                 "replace_after_ms", "assignment_timeout_ms", "rebalance_window_ms")
+                 "replace_after_ms", "assignment_timeout_ms", "rebalance_window_ms", "snapshot_concurrency",
+                 "snapshot_rate_mb_s")
+# Integer settings that may be 0, and what 0 means there (runbook/topology.md says it too).
+SETTINGS_ZERO_MEANS = {"snapshot_rate_mb_s": "unlimited"}
 SETTINGS_ENUMS = {"ack": ACK_MODES, "fsync": FSYNC_MODES}
 
 
@@ -341,7 +344,7 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
         if key in SETTINGS_ENUMS:
             v: Any = c.want_choice(m[key], path, SETTINGS_ENUMS[key])
         else:
-            v = c.want_int(m[key], path, 1, MAX_SETTING_INT)
+            v = c.want_int(m[key], path, 0 if key in SETTINGS_ZERO_MEANS else 1, MAX_SETTING_INT)
         if v is None:
             ok = False
         values[key] = v

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -56,14 +57,23 @@ from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginErr
 from worker.replica import Replica
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
                               prune_snapshots, restore_snapshot, snapshot_at, write_snapshot)
+from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import Transport
 from worker.wal import Wal
 
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
-DOWNLOAD_ATTEMPTS = 8
+DOWNLOAD_ATTEMPTS = 8  # in a row without a byte received, before a download gives up (and resumes later)
 DOWNLOAD_CHUNK = 1 << 20
+# A source that serves its limit of snapshot downloads answers busy
+# (worker/throttle.py): ask again after this pause, doubled each time up to
+# the maximum, each drawn in its upper half so that waiting learners spread
+# out. After BUSY_WAIT_S the download ends and the core's next request
+# starts it over, from the manifest, which may name a newer snapshot.
+BUSY_PAUSE_S = 0.25
+BUSY_PAUSE_MAX_S = 4.0
+BUSY_WAIT_S = 60.0
 # A new learner is told to fetch a snapshot as soon as it is added, which can
 # be before its worker has opened the group (the message is then dropped).
 # Resending after a second instead of the core's 5 s keeps that from stalling
@@ -140,6 +150,16 @@ class _Restore:
     """Internal event: a downloaded snapshot is in place; restore from it."""
 
     snap: SnapshotFile
+
+
+@dataclass
+class DownloadProgress:
+    """A snapshot download in flight: what has arrived of how much."""
+
+    received: int
+    total: int
+    waiting: bool = False  # the source said busy (it serves its limit of downloads): waiting for a turn
+    busy_waits: int = 0
 
 
 @dataclass
@@ -224,6 +244,7 @@ class GroupShell:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._download: asyncio.Task[None] | None = None
+        self.download: DownloadProgress | None = None  # the snapshot download in flight
         # The thread that writes snapshot passes. Cancelling the loop does not
         # stop a pass it is running, and the WAL must not be closed under it.
         self._persist_pool: ThreadPoolExecutor | None = None
@@ -762,24 +783,17 @@ class GroupShell:
                 return
             self.snap_dir.mkdir(parents=True, exist_ok=True)
             partial = self.snap_dir / f".download-{seq}-{term}.partial"
+            for stale in self.snap_dir.glob(".download-*.partial"):
+                if stale != partial:  # an earlier snapshot's, broken off: this one supersedes it
+                    stale.unlink(missing_ok=True)
             started = time.monotonic()
-            for attempt in range(DOWNLOAD_ATTEMPTS):
-                have = partial.stat().st_size if partial.exists() else 0
-                if have >= size:
-                    break
-                try:
-                    async with self._session.get(f"{base}/{seq}", headers={"Range": f"bytes={have}-"},
-                                                 timeout=aiohttp.ClientTimeout(total=None, sock_read=10)) as resp:
-                        if resp.status not in (200, 206):
-                            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                        mode = "ab" if resp.status == 206 else "wb"
-                        with open(partial, mode) as out:
-                            async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
-                                out.write(chunk)
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                    self.log.warning("snapshot_download_interrupted", source=d.source, attempt=attempt,
-                                     have=have, error=type(exc).__name__)
-                    await asyncio.sleep(0.2 * (attempt + 1))
+            have = partial.stat().st_size if partial.exists() else 0
+            if have > size:
+                partial.unlink()  # not this snapshot's bytes, whatever they are
+                have = 0
+            progress = self.download = DownloadProgress(have, size)
+            if not await self._fetch(f"{base}/{seq}", d.source, partial, progress):
+                return  # the partial stays: the core asks again, and the next download resumes it
             got = await asyncio.to_thread(file_digest, partial)
             if got != digest:
                 partial.unlink(missing_ok=True)
@@ -787,10 +801,59 @@ class GroupShell:
                 return
             snap = install_downloaded(self.snap_dir, partial, term, seq, digest)
             self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
-                          seconds=round(time.monotonic() - started, 3))
+                          seconds=round(time.monotonic() - started, 3), busy_waits=progress.busy_waits)
             self.deliver(_Restore(snap))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
             self.log.warning("snapshot_download_failed", source=d.source, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.download = None
+
+    async def _fetch(self, url: str, source: str, partial: Path, progress: DownloadProgress) -> bool:
+        """Bring `partial` up to `progress.total` bytes with range requests; True once it has them all.
+
+        A failed attempt resumes from what arrived (DOWNLOAD_ATTEMPTS in a
+        row without a byte, then it gives up). A source serving as many
+        downloads as it allows answers busy: that is no failure, and it is
+        asked again with a growing, jittered pause, for up to BUSY_WAIT_S in
+        a row.
+        """
+        assert self._session is not None
+        failures = 0
+        busy_pause = BUSY_PAUSE_S
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        while progress.received < progress.total:
+            have = progress.received
+            try:
+                async with self._session.get(url, headers={"Range": f"bytes={have}-"},
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_read=10)) as resp:
+                    if resp.status == 503 and await _busy(resp):
+                        progress.waiting = True
+                        progress.busy_waits += 1
+                        if time.monotonic() + busy_pause > busy_until:
+                            self.log.info("snapshot_source_busy_giving_up", source=source, have=have,
+                                          waits=progress.busy_waits)
+                            return False
+                        await asyncio.sleep(busy_pause * random.uniform(0.5, 1.0))
+                        busy_pause = min(busy_pause * 2, BUSY_PAUSE_MAX_S)
+                        continue
+                    if resp.status not in (200, 206):
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    progress.waiting = False
+                    busy_pause, busy_until = BUSY_PAUSE_S, time.monotonic() + BUSY_WAIT_S
+                    if resp.status == 200:
+                        progress.received = 0  # the whole file, from its start
+                    with open(partial, "ab" if resp.status == 206 else "wb") as out:
+                        async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                            out.write(chunk)
+                            progress.received += len(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                failures = 0 if progress.received > have else failures + 1
+                self.log.warning("snapshot_download_interrupted", source=source, attempt=failures, have=have,
+                                 error=type(exc).__name__)
+                if failures >= DOWNLOAD_ATTEMPTS:
+                    return False
+                await asyncio.sleep(0.2 * failures)
+        return progress.received == progress.total
 
     def _restore_downloaded(self, snap: SnapshotFile, now: int) -> list[m.Effect]:
         assert self.replica is not None
@@ -811,6 +874,7 @@ class GroupShell:
             return {"state": "closed"}
         now = now_ms()
         heard, lost = r.leader_heard_at, r.quorum_lost_at
+        dl = self.download
         return {
             "term": r.term, "role": r.role, "leader": r.leader, "ready": r.ready,
             # Check-quorum, for meta's controller and operators: a leader's
@@ -825,7 +889,21 @@ class GroupShell:
             "in_flight": len(self._pending) + len(self._batched), "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
             "snapshot_seq": self._last_snapshot_seq, "failed": self.failed, "resyncing": r.resyncing,
+            # The snapshot download in flight, if any: meta's operators show its progress.
+            "snapshot_bytes": dl.received if dl is not None else None,
+            "snapshot_total": dl.total if dl is not None else None,
+            "snapshot_waiting": dl.waiting if dl is not None else False,
         }
+
+
+async def _busy(resp: aiohttp.ClientResponse) -> bool:
+    """Is this 503 the source's "serving its limit of snapshot downloads" (worker/server.py)?"""
+    try:
+        body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return False
+    err = body.get("error") if isinstance(body, dict) else None
+    return isinstance(err, dict) and err.get("reason") == SNAPSHOT_BUSY
 
 
 def _write_capture(writer: Callable[[Path], None], tmp: Path, snap_dir: Path,

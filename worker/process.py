@@ -24,11 +24,13 @@ from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
+from topology.model import Settings
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
 from worker.plugins.base import PluginSettings, load_plugin
 from worker.server import WorkerApi
+from worker.throttle import SnapshotServing
 from worker.transport import SendStats, Transport
 
 
@@ -108,6 +110,9 @@ class WorkerNode:
         self.registered = False
         self.default_ack = "quorum"
         self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr)
+        # The snapshot downloads this worker serves to learners; the topology's settings set the limits.
+        self.snapshot_serving = SnapshotServing.create(Settings.snapshot_concurrency, Settings.snapshot_rate_mb_s,
+                                                       time.monotonic())
         self.pass_stats = PassStats()
         reg.register(_BatchingCollector(self.pass_stats, self.transport.stats))
         self._tasks: list[asyncio.Task[None]] = []
@@ -202,6 +207,10 @@ class WorkerNode:
             return
         settings = topo["settings"]
         self.default_ack = settings.get("ack", "quorum")
+        # A topology stored before these settings existed has none: the defaults.
+        self.snapshot_serving.configure(int(settings.get("snapshot_concurrency", Settings.snapshot_concurrency)),
+                                        int(settings.get("snapshot_rate_mb_s", Settings.snapshot_rate_mb_s)),
+                                        time.monotonic())
         for key, g in view["groups"].items():
             gid = int(key)
             members = set(g["voters"]) | set(g["learners"])

@@ -8,7 +8,9 @@ same encoding as the request. Errors use the one error shape of
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -19,6 +21,7 @@ from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, er
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import decode_message
+from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
 
@@ -379,12 +382,83 @@ class WorkerApi:
         return json_response({"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest})
 
     async def snapshot_data(self, request: web.Request) -> web.StreamResponse:
+        """The snapshot's bytes, from the requested Range on (downloads resume
+        where they broke off), within this worker's snapshot limits
+        (worker/throttle.py): a download beyond `snapshot_concurrency` is
+        answered busy at once, and every download served shares the
+        `snapshot_rate_mb_s` bucket."""
         shell = self._group(request)
         snap = shell.latest_snapshot()
         if snap is None or str(snap.seq) != request.match_info["seq"]:
             raise ApiError("not_found", "that snapshot is gone; re-read the manifest")
-        # FileResponse serves Range requests, which makes downloads resumable.
-        return web.FileResponse(snap.path, chunk_size=1 << 20)
+        start, stop = _byte_range(request, snap.size)
+        serving = self.node.snapshot_serving
+        if not serving.try_start():
+            raise ApiError("unavailable", f"{self.node.id} already serves {serving.serving} snapshot downloads "
+                           f"(settings.snapshot_concurrency: {serving.concurrency}); retry later",
+                           reason=SNAPSHOT_BUSY, shard=shell.gid, serving=serving.serving,
+                           limit=serving.concurrency)
+        try:
+            return await self._stream_file(request, shell.gid, snap.path, start, stop, snap.size)
+        finally:
+            serving.finish()
+
+    async def _stream_file(self, request: web.Request, gid: int, path: Path, start: int, stop: int,
+                           size: int) -> web.StreamResponse:
+        # Opened before the answer starts: a snapshot pruned meanwhile stays
+        # readable through this handle, and a missing one is still a 404.
+        try:
+            f = await asyncio.to_thread(open, path, "rb")
+        except FileNotFoundError:
+            raise ApiError("not_found", "that snapshot is gone; re-read the manifest") from None
+        resp = web.StreamResponse(status=206 if "Range" in request.headers else 200)
+        resp.content_type = "application/octet-stream"
+        resp.content_length = stop - start
+        resp.headers["Accept-Ranges"] = "bytes"
+        if resp.status == 206:
+            resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        serving = self.node.snapshot_serving
+        sent = start
+        try:
+            await resp.prepare(request)
+            f.seek(start)
+            while sent < stop:
+                n = min(serving.chunk(), stop - sent)
+                wait = serving.reserve(n, time.monotonic())
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                chunk = await asyncio.to_thread(f.read, n)
+                if not chunk:
+                    raise OSError(f"snapshot file ended at {sent} of {size} bytes")
+                await resp.write(chunk)
+                sent += len(chunk)
+            await resp.write_eof()
+        except OSError as exc:
+            # The answer has begun: no error body can follow it. Closing the
+            # connection leaves the downloader a short body, and it resumes
+            # from what it has (a reset by the downloader lands here too).
+            self.node.log.info("snapshot_serve_interrupted", group=gid, sent=sent - start, of=stop - start,
+                               error=f"{type(exc).__name__}: {exc}")
+            if request.transport is not None:
+                request.transport.close()
+        finally:
+            f.close()
+        return resp
+
+
+def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
+    """[start, stop) of a `size`-byte file the request's Range header asks for (the whole file without one)."""
+    try:
+        rng = request.http_range
+    except ValueError as exc:
+        raise ApiError("bad_request", f"Range: {exc}") from None
+    start = rng.start if rng.start is not None else 0
+    if start < 0:
+        start = max(0, size + start)  # a suffix range, "bytes=-N": the last N bytes
+    stop = min(size, rng.stop) if rng.stop is not None else size
+    if "Range" in request.headers and start >= stop:
+        raise ApiError("bad_request", f"Range: starts at byte {start}, the snapshot has {size}")
+    return start, stop
 
 
 def _wire_code(core_code: str | None) -> tuple[str, str | None]:

@@ -125,7 +125,8 @@ async def test_register_and_heartbeat_validation(api: TestClient) -> None:
     assert hb.status == 400
     hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {}, "boot": 7})
     assert hb.status == 400 and "boot" in (await hb.json())["error"]["message"]
-    for bad in ({"quorum": "yes"}, {"leader_silence_ms": "long"}):
+    for bad in ({"quorum": "yes"}, {"leader_silence_ms": "long"}, {"snapshot_bytes": "lots"},
+                {"snapshot_total": [1]}):
         hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, **bad}}})
         assert hb.status == 400 and "quorum" in (await hb.json())["error"]["message"]
     hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, "last_term": 1, "last_seq": 4,
@@ -284,6 +285,23 @@ async def test_a_replica_reported_corrupt_counts_as_failed(meta_and_worker: Any)
     assert hb.status == 200
     rep = server.soft.workers["w1"].groups[0]
     assert rep.failed == "corrupt: record 7: bad checksum" and unusable(rep)
+
+
+async def test_a_snapshot_download_in_flight_is_read_from_the_report(meta_and_worker: Any) -> None:
+    """What worker/group.py reports of a download reaches the controller's GroupReport."""
+    client, server, raft, calls, behaviour = meta_and_worker
+    hb = await client.post("/v1/workers/w2/heartbeat", json={"groups": {
+        "0": {"term": 1, "role": "learner", "snapshot_bytes": 12_000_000, "snapshot_total": 40_000_000,
+              "snapshot_waiting": False},
+        "1": {"term": 1, "role": "learner", "snapshot_bytes": 0, "snapshot_total": 40_000_000,
+              "snapshot_waiting": True},
+        "2": {"term": 1, "role": "follower", "snapshot_bytes": None, "snapshot_total": None}}})
+    assert hb.status == 200
+    reps = server.soft.workers["w2"].groups
+    assert (reps[0].snapshot_bytes, reps[0].snapshot_total, reps[0].snapshot_waiting) == (12_000_000, 40_000_000,
+                                                                                          False)
+    assert (reps[1].snapshot_bytes, reps[1].snapshot_waiting) == (0, True)
+    assert (reps[2].snapshot_bytes, reps[2].snapshot_total, reps[2].snapshot_waiting) == (None, None, False)
 
 
 async def test_worker_gone_is_refused_for_a_live_or_unknown_worker(api: TestClient) -> None:

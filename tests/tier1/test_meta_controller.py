@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from meta.controller import (BOOTSTRAP_GRACE_MS, ISOLATION_HOLD_LEASES, REBALANCE_AFTER_MS, GroupReport, SetLeader,
-                             SoftState, StartTransfer, decide, rebalance)
-from meta.state import GroupRecord
+                             SoftState, StartTransfer, UpdateOperator, advance_operator, decide, rebalance)
+from meta.progress import snapshot_message
+from meta.state import GroupRecord, OperatorRecord
 
 LEASE = 1500
 
@@ -408,3 +409,45 @@ def test_balance_never_hands_a_leadership_back_to_a_worker_on_its_way_out() -> N
     up = now - REBALANCE_AFTER_MS
     assert rebalance(_moved(), _balanced_soft(now, up), now, LEASE) == [StartTransfer(0, "w2", "w1")]
     assert rebalance(_moved(), _balanced_soft(now, up), now, LEASE, unwanted=frozenset({"w1"})) == []
+
+
+# -- a staged add's catch-up: what its message says -------------------------------------------
+
+def _catching_up(learner: GroupReport) -> list[str]:
+    """The message advance_operator gives an add of w4 at catch_up, w4 reporting `learner`."""
+    g = GroupRecord(id=0, term=5, leader="w1", voters=["w1", "w2", "w3"], learners=["w4"], ready_term=5)
+    soft = SoftState(leader_since_ms=0)
+    soft.heard_from("w1", 10_000, {0: GroupReport(term=5, role="leader", commit=5_000, applied=5_000)})
+    soft.heard_from("w4", 10_000, {0: learner})
+    actions = advance_operator(OperatorRecord(0, "add", "w4", "catch_up"), g, soft, 10_000, LEASE)
+    assert all(isinstance(a, UpdateOperator) for a in actions)
+    return [f"{a.step}: {a.message}" for a in actions if isinstance(a, UpdateOperator)]
+
+
+def test_a_learner_receiving_a_snapshot_shows_the_bytes_in_its_operator() -> None:
+    assert _catching_up(GroupReport(term=5, role="learner", snapshot_bytes=12_000_000,
+                                    snapshot_total=40_000_000)) == \
+        ["catch_up: w4 receiving snapshot: 12 MB of 40 MB (30%)"]
+    assert _catching_up(GroupReport(term=5, role="learner", snapshot_bytes=0, snapshot_total=40_000_000,
+                                    snapshot_waiting=True)) == \
+        ["catch_up: w4 waiting for a snapshot download slot (settings.snapshot_concurrency): 0 B of 40 MB (0%)"]
+    # No download in flight: the log catch-up, as before.
+    assert _catching_up(GroupReport(term=5, role="learner", applied=1_000)) == \
+        ["catch_up: w4 catching up: applied 1000 of 5000"]
+    # Caught up: promoted, whatever a stale download field says.
+    assert _catching_up(GroupReport(term=5, role="learner", applied=4_990, snapshot_bytes=1,
+                                    snapshot_total=2)) == ["promote: w4 caught up: applied 4990 of 5000"]
+
+
+def test_the_snapshot_message_changes_in_5_percent_steps_only() -> None:
+    """Each distinct message is a write to meta's Raft log: a download of any
+    size and speed makes at most 21 of them, not one per heartbeat."""
+    total = 4_000_000_000
+    messages = [_catching_up(GroupReport(term=5, role="learner", snapshot_bytes=b, snapshot_total=total))[0]
+                for b in range(0, total + 1, 7_000_000)]  # a report every 7 MB: 572 reports
+    changes = [b for a, b in zip(messages, messages[1:]) if a != b]
+    assert len(changes) == 19  # 0%, 5%, ..., 95%: 20 distinct messages (100% is the installed snapshot)
+    assert messages[0].endswith("0 B of 4 GB (0%)") and messages[-1].endswith("3.8 GB of 4 GB (95%)")
+    assert snapshot_message("w4", 3_999_999_999, total, False).endswith("(95%)")
+    assert snapshot_message("w4", total, total, False).endswith("4 GB of 4 GB (100%)")
+    assert snapshot_message("w4", 10, 0, False).endswith("(100%)")  # a zero size does not divide by zero

@@ -186,6 +186,10 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
     ("unknown-settings-key", mutated(setp("settings.fsynk", "batch")), None,
      [("settings.fsynk", "unknown key (did you mean 'fsync'?)")]),
     ("settings-zero-int", mutated(setp("settings.lease_ms", 0)), None, [("settings.lease_ms", "between 1 and")]),
+    ("settings-zero-snapshot-concurrency", mutated(setp("settings.snapshot_concurrency", 0)), None,
+     [("settings.snapshot_concurrency", "between 1 and")]),
+    ("settings-negative-snapshot-rate", mutated(setp("settings.snapshot_rate_mb_s", -1)), None,
+     [("settings.snapshot_rate_mb_s", "between 0 and")]),
     ("settings-string-int", mutated(setp("settings.deadline_ms", "5s")), None,
      [("settings.deadline_ms", "expected an integer, got string")]),
     ("settings-null", mutated(setp("settings", None)), None, [("settings", "expected a mapping, got null")]),
@@ -300,6 +304,15 @@ def test_all_settings() -> None:
     doc["settings"] = {"ack": "all", "quorum_timeout_ms": 10, "lease_ms": 20, "fsync": "always",
                        "deadline_ms": 30, "snapshot_every": 40, "embedding_dim": 50}
     assert load_topology(dump(doc)).settings == Settings("all", 10, 20, "always", 30, 40, 50)
+
+
+def test_snapshot_limits_default_and_a_zero_rate_means_unlimited() -> None:
+    doc = base_doc()
+    assert (load_topology(dump(doc)).settings.snapshot_concurrency,
+            load_topology(dump(doc)).settings.snapshot_rate_mb_s) == (2, 64)
+    doc["settings"] = {"snapshot_concurrency": 5, "snapshot_rate_mb_s": 0}
+    s = load_topology(dump(doc)).settings
+    assert (s.snapshot_concurrency, s.snapshot_rate_mb_s) == (5, 0)
 
 
 def test_accepted_spellings() -> None:

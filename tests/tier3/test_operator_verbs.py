@@ -1,6 +1,7 @@
 """Operator verbs over real processes: transfer under writes, replica add (snapshot catch-up) and remove."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -191,5 +192,34 @@ def test_repair_under_pinned_groups_is_drift_and_reapplying_the_file_moves_it_ba
         wait_until(lambda: "DRIFT" not in c.topoctl("status").stdout, 60, "leader balance to give w3 group 2 back")
         last = c.topoctl("apply", str(path), "--dry-run")
         assert "no changes" in last.stdout and "drift" not in last.stdout, last.stdout
+def test_a_snapshot_download_keeps_to_the_rate_and_its_bytes_show_while_it_runs(tmp_path: Path) -> None:
+    """settings.snapshot_rate_mb_s: 1 and a snapshot of several MB: the add takes
+    seconds to download, `topoctl replicas` prints the bytes as they arrive
+    (issue 24: "follows progress ... bytes of snapshot transferred")."""
+    c = Cluster.create(tmp_path / "cluster", n_workers=4)
+    try:
+        c.boot(c.topology_yaml(snapshot_every=40, groups=GROUPS, settings="snapshot_rate_mb_s: 1"))
+        addr = c.worker_addr(c.view()["groups"]["0"]["leader"])
+        blob = "x" * 50_000
+        for i in range(100):  # ~5 MB in group 0; snapshots every 30-40 writes
+            status, resp = http_json("POST", f"http://{addr}/v1/groups/0/write",
+                                     {"op": {"kind": "put_item", "id": f"big{i}", "doc": {"v": blob}}}, timeout=10)
+            assert status == 200, resp
+        started = time.monotonic()
+        added = c.topoctl("replicas", "0", "--add", "w4", "--wait", "90", timeout=100)
+        took = time.monotonic() - started
+        assert added.returncode == 0, added.stderr
+        shown = [line.strip() for line in added.stdout.splitlines() if "receiving snapshot" in line]
+        assert len(set(shown)) >= 2, added.stdout  # the bytes move while it runs
+        assert all(line.startswith("catch_up: w4 receiving snapshot: ") and line.endswith("%)") for line in shown), \
+            shown
+        log = (c.root / "logs" / "w4.log").read_text()
+        done = [json.loads(line) for line in log.splitlines() if '"snapshot_downloaded"' in line]
+        assert done and done[-1]["bytes"] > 3_000_000, done
+        # Whatever of it a full bucket lets through at once (a tenth of a second's
+        # worth, one 256 KiB chunk at least), the rest goes at 1 MB/s.
+        assert done[-1]["seconds"] >= (done[-1]["bytes"] - 262_144) / 1_000_000 * 0.9, done[-1]
+        print(f"\nadd of w4 took {took:.1f} s; {done[-1]['bytes']} bytes in {done[-1]['seconds']} s; "
+              f"{len(shown)} progress lines: {shown}")
     finally:
         c.close()
