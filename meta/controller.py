@@ -103,6 +103,10 @@ class GroupReport:
     quorum: bool | None = None
     leader_silence_ms: int | None = None
     unheard: tuple[str, ...] = ()  # a leader's voters without an answer within the lease
+    # Entries queued to durable at this replica (ms; 0: not reported): every
+    # replica's, so meta/hotspot.py can compare a leader with its followers.
+    persist_p99_ms: float = 0.0
+    persist_ema_ms: float = 0.0
 
 
 @dataclass

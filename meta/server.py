@@ -558,10 +558,13 @@ class MetaServer:
                     write_rate=float(rep.get("write_rate", 0) or 0),
                     quorum=_opt_bool(rep.get("quorum")),
                     unheard=tuple(str(v) for v in rep.get("unheard") or ()),
-                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")))
+                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")),
+                    persist_p99_ms=_opt_ms(rep.get("persist_p99_ms")),
+                    persist_ema_ms=_opt_ms(rep.get("persist_ema_ms")))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
-                           "quorum true/false/null and leader_silence_ms an integer or null") from None
+                           "quorum true/false/null, leader_silence_ms an integer or null and persist_p99_ms/"
+                           "persist_ema_ms non-negative numbers") from None
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")
@@ -719,6 +722,14 @@ def _opt_bool(value: Any) -> bool | None:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _opt_ms(value: Any) -> float:
+    """A reported latency (ms): absent (an older worker) reads as 0, "not measured"."""
+    ms = float(value or 0)
+    if not 0 <= ms < float("inf"):
+        raise ValueError("a latency must be a finite, non-negative number of ms")
+    return ms
 
 
 def _failed_of(rep: dict[str, Any]) -> str | None:

@@ -47,6 +47,14 @@ class Settings:
     embedding_dim: int = 64  # fixed per cluster
     # A voter silent this long is replaced by another worker (meta/repair.py).
     replace_after_ms: int = 60_000
+    # Hot-group relief (meta/hotspot.py): how long a condition must hold before
+    # a balancing move, and how long a moved group is then left alone.
+    rebalance_window_ms: int = 30_000
+    # A leader is hot when its persist p99 exceeds this times its group's median.
+    hot_latency_ratio: float = 2.0
+    # A worker sheds a replica when its load exceeds the mean by this fraction.
+    hot_worker_threshold: float = 0.5
+    hot_relief: bool = True  # false: no hot-leader moves and no shedding
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
