@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 from meta.controller import (ChangeMembers, GroupReport, RecordMembers, SetLeader, SoftState, StartTransfer,
                              UpdateOperator, advance_operator, best_transfer_target, decide, heard_live, rebalance,
                              report_of, transfer_lag_allowed)
+from meta.hotspot import HotSettings, HotState, relieve
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
 from meta.repair import SetWorkerState, StartOperator, repair
@@ -97,11 +98,19 @@ class MetaServer:
         self.c_placement = Counter("shardgrid_meta_placement_steps", "replica operators the controller started, by "
                                    "rule (repair: a gone voter; reconcile: the desired placement) and kind (add, "
                                    "remove)", ["by", "kind"], registry=reg)
+        self.c_decisions = Counter("shardgrid_meta_controller_decisions", "every decision the controller acted on, "
+                                   "by kind (failover, leader_balance, repair, drain, reconcile, hot_leader, shed) "
+                                   "and reason (a failover's cause, an operator's add/remove, hot relief's "
+                                   "latency/load/remove)", ["kind", "reason"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
         self._balance: dict[int, _BalanceMove] = {}  # leader balance, per group moved
+        # Hot-group relief's own soft state, for the SoftState it was built from
+        # (a new meta leadership starts every window over).
+        self._hot = HotState()
+        self._hot_soft: SoftState | None = None
 
     # -- app ------------------------------------------------------------------
 
@@ -613,7 +622,7 @@ class MetaServer:
         if not actions and not self._busy_groups and self._balance_idle(now):
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
-            held = {g for g, b in self._balance.items() if now < b.retry_at}
+            held = {g for g, b in self._balance.items() if now < b.retry_at} | self._hot.held_groups(now)
             unwanted = frozenset(w.id for w in sm.workers.values() if w.state in ("draining", "drained", "removed"))
             for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators)),
                                   unwanted):
@@ -622,9 +631,35 @@ class MetaServer:
                 self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target,
                               attempt=b.attempts)
                 self.c_balance.inc()
+                self.c_decisions.labels("leader_balance", "preferred").inc()
                 actions.append(move)
+        quiet = not actions and not self._busy_groups and self._balance_idle(now)
+        actions.extend(await self._hot_relief(now, lease, quiet))
         for action in actions:
             await self._execute(action)
+
+    async def _hot_relief(self, now: int, lease: int, quiet: bool) -> list[StartTransfer | StartOperator]:
+        """Hot-group relief (meta/hotspot.py): its clocks run every pass, its
+        decisions come only in a quiet one. A leadership move names the target
+        preferred leader first, so that leader balance keeps it there."""
+        sm, soft = self.raft.sm, self.soft
+        if sm.topology is None or soft is None:
+            return []
+        if self._hot_soft is not soft:
+            self._hot, self._hot_soft = HotState(), soft
+        busy = frozenset(set(sm.operators) | self._busy_groups)
+        actions: list[StartTransfer | StartOperator] = []
+        for d in relieve(self._hot, list(sm.groups.values()), sm.workers, soft, now, lease,
+                         HotSettings.of(sm.topology["settings"]), busy, quiet):
+            self.c_decisions.labels(d.kind, d.reason).inc()
+            self.log.info("controller_decision", kind=d.kind, reason=d.reason, group=d.action.group,
+                          detail=d.detail, window_ms=self._hot.window_ms)
+            if isinstance(d.action, StartTransfer):
+                await self._prefer(d.action.group, d.action.target)
+                # Leader balance's record: the next quiet pass waits for this transfer.
+                self._balance.setdefault(d.action.group, _BalanceMove()).started(now, sm.groups[d.action.group].term)
+            actions.append(d.action)
+        return actions
 
     def _balance_idle(self, now: int) -> bool:
         """No balancing move under way: each ended (its group moved on) or timed out."""
@@ -651,6 +686,7 @@ class MetaServer:
                           ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
                 self.c_failovers.labels(action.cause).inc()
+                self.c_decisions.labels("failover", action.cause).inc()
                 if action.cause == "isolated" and self.soft is not None:
                     self.soft.isolation_moved_ms[action.group] = _now_ms()
         elif isinstance(action, RecordMembers):
@@ -680,6 +716,8 @@ class MetaServer:
                           worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
                 self.c_placement.labels(action.by, action.kind).inc()
+                if action.by != "shed":  # hot relief counted its own when it decided
+                    self.c_decisions.labels(action.by, action.kind).inc()
         elif isinstance(action, (ChangeMembers, StartTransfer)):
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))
