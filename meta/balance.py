@@ -89,7 +89,7 @@ def balance_leader_counts(groups: Sequence[GroupRecord], workers: Mapping[str, W
     counts: Counter[str] = Counter({w: 0 for w in eligible})
     counts.update(g.leader for g in led if g.leader in eligible)
     for source in sorted(counts, key=lambda w: (-counts[w], w)):
-        best: tuple[tuple[int, int, int, str], LeaderCountMove] | None = None
+        best: tuple[tuple[int, float, int, int, str], LeaderCountMove] | None = None
         for g in led:
             moved = (moved_ms or {}).get(g.id)
             if g.leader != source or g.id in busy or (moved is not None and now_ms - moved < window_ms) \
@@ -100,8 +100,9 @@ def balance_leader_counts(groups: Sequence[GroupRecord], workers: Mapping[str, W
                 if v == source or v not in eligible or counts[v] > counts[source] - 2 or not can_take(g, soft, v,
                                                                                                     lease_ms):
                     continue
-                rep = report_of(soft, v, g.id)
-                key = (0 if orphan else 1, counts[v], -(rep.last_seq if rep else 0), f"{g.id:09d}/{v}")
+                rep, lead = report_of(soft, v, g.id), report_of(soft, g.leader, g.id)
+                rate = lead.write_rate if lead is not None else 0.0
+                key = (0 if orphan else 1, rate, counts[v], -(rep.last_seq if rep else 0), f"{g.id:09d}/{v}")
                 if best is None or key < best[0]:
                     why = (f"{source} leads {counts[source]} groups, {v} leads {counts[v]}"
                            + ("; the preferred leader cannot lead" if orphan else ""))

@@ -112,6 +112,11 @@ class GroupReport:
     snapshot_total: int | None = None
     snapshot_waiting: bool = False
 
+    # Entries queued to durable at this replica (ms; 0: not reported): every
+    # replica's, so meta/hotspot.py can compare a leader with its followers.
+    persist_p99_ms: float = 0.0
+    persist_ema_ms: float = 0.0
+
 
 @dataclass(frozen=True)
 class Refusal:

@@ -23,6 +23,7 @@ from meta.balance import balance_leader_counts
 from meta.controller import (ISOLATION_HOLD_LEASES, REBALANCE_AFTER_MS, ChangeMembers, GroupReport, RecordMembers,
                              Refusal, SetLeader, SoftState, StartTransfer, UpdateOperator, advance_operator,
                              best_transfer_target, decide, heard_live, rebalance, report_of, transfer_lag_allowed)
+from meta.hotspot import HotSettings, HotState, relieve
 from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
@@ -101,14 +102,20 @@ class MetaServer:
         self.c_placement = Counter("shardgrid_meta_placement_steps", "replica operators the controller started, by "
                                    "rule (repair: a gone voter; reconcile: the desired placement) and kind (add, "
                                    "remove)", ["by", "kind"], registry=reg)
-        self.c_decisions = Counter("shardgrid_meta_controller_decisions", "controller decisions besides failovers "
-                                   "and placement steps, by kind and reason (refused: a worker turned an assignment "
-                                   "down, or it timed out)", ["kind", "reason"], registry=reg)
+        self.c_decisions = Counter("shardgrid_meta_controller_decisions", "every decision the controller acted on, "
+                                   "by kind (failover, leader_balance, leader_count, repair, drain, reconcile, "
+                                   "hot_leader, shed, refused) and reason (a failover's cause, an operator's "
+                                   "add/remove, hot relief's latency/load/remove, a refusal's reason or timeout)",
+                                   ["kind", "reason"], registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
         self._balance: dict[int, _BalanceMove] = {}  # leader balance, per group moved
+        # Hot-group relief's own soft state, for the SoftState it was built from
+        # (a new meta leadership starts every window over).
+        self._hot = HotState()
+        self._hot_soft: SoftState | None = None
 
     # -- app ------------------------------------------------------------------
 
@@ -574,11 +581,13 @@ class MetaServer:
                     disk_bytes=int(rep.get("disk_bytes", 0) or 0),
                     snapshot_bytes=_opt_int(rep.get("snapshot_bytes")),
                     snapshot_total=_opt_int(rep.get("snapshot_total")),
-                    snapshot_waiting=bool(rep.get("snapshot_waiting", False)))
+                    snapshot_waiting=bool(rep.get("snapshot_waiting", False)),
+                    persist_p99_ms=_opt_ms(rep.get("persist_p99_ms")),
+                    persist_ema_ms=_opt_ms(rep.get("persist_ema_ms")))
         except (TypeError, ValueError, AttributeError):
             raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
-                           "quorum true/false/null and leader_silence_ms, snapshot_bytes and snapshot_total "
-                           "integers or null") from None
+                           "quorum true/false/null, leader_silence_ms, snapshot_bytes and snapshot_total integers "
+                           "or null, and persist_p99_ms/persist_ema_ms non-negative numbers") from None
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")
@@ -631,7 +640,7 @@ class MetaServer:
         if not actions and not self._busy_groups and self._balance_idle(now):
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
-            held = {g for g, b in self._balance.items() if now < b.retry_at}
+            held = {g for g, b in self._balance.items() if now < b.retry_at} | self._hot.held_groups(now)
             unwanted = frozenset(w.id for w in sm.workers.values() if w.state in ("draining", "drained", "removed"))
             for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators)),
                                   unwanted):
@@ -640,9 +649,12 @@ class MetaServer:
                 self.log.info("leader_rebalance", group=move.group, leader=move.leader, preferred=move.target,
                               attempt=b.attempts)
                 self.c_balance.inc()
+                self.c_decisions.labels("leader_balance", "preferred").inc()
                 actions.append(move)
             if not any(isinstance(a, StartTransfer) for a in actions) and topo is not None:
                 actions.extend(await self._balance_counts(now, lease, held | set(sm.operators)))
+        quiet = not actions and not self._busy_groups and self._balance_idle(now)
+        actions.extend(await self._hot_relief(now, lease, quiet))
         for action in actions:
             await self._execute(action)
 
@@ -669,6 +681,31 @@ class MetaServer:
             out.append(StartTransfer(move.group, move.leader, move.target))
         return out
 
+    async def _hot_relief(self, now: int, lease: int, quiet: bool) -> list[StartTransfer | StartOperator]:
+        """Hot-group relief (meta/hotspot.py): its clocks run every pass, its
+        decisions come only in a quiet one. A leadership move names the target
+        preferred leader first, so that leader balance keeps it there."""
+        sm, soft = self.raft.sm, self.soft
+        if sm.topology is None or soft is None:
+            return []
+        if self._hot_soft is not soft:
+            self._hot, self._hot_soft = HotState(), soft
+        window = int(sm.topology["settings"].get("rebalance_window_ms", DEFAULT_REBALANCE_WINDOW_MS))
+        counted = {g for g, t in soft.balance_moved_ms.items() if now - t < window}
+        busy = frozenset(set(sm.operators) | self._busy_groups | counted)
+        actions: list[StartTransfer | StartOperator] = []
+        for d in relieve(self._hot, list(sm.groups.values()), sm.workers, soft, now, lease,
+                         HotSettings.of(sm.topology["settings"]), busy, quiet):
+            self.c_decisions.labels(d.kind, d.reason).inc()
+            self.log.info("controller_decision", kind=d.kind, reason=d.reason, group=d.action.group,
+                          detail=d.detail, window_ms=self._hot.window_ms)
+            if isinstance(d.action, StartTransfer):
+                await self._prefer(d.action.group, d.action.target, pinned=False)
+                # Leader balance's record: the next quiet pass waits for this transfer.
+                self._balance.setdefault(d.action.group, _BalanceMove()).started(now, sm.groups[d.action.group].term)
+            actions.append(d.action)
+        return actions
+
     def _balance_idle(self, now: int) -> bool:
         """No balancing move under way: each ended (its group moved on) or timed out."""
         for gid, b in self._balance.items():
@@ -694,6 +731,7 @@ class MetaServer:
                           ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
                 self.c_failovers.labels(action.cause).inc()
+                self.c_decisions.labels("failover", action.cause).inc()
                 if action.cause == "isolated" and self.soft is not None:
                     self.soft.isolation_moved_ms[action.group] = _now_ms()
         elif isinstance(action, RecordMembers):
@@ -735,6 +773,8 @@ class MetaServer:
                           worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
             if result.get("ok"):
                 self.c_placement.labels(action.by, action.kind).inc()
+                if action.by != "shed":  # hot relief counted its own when it decided
+                    self.c_decisions.labels(action.by, action.kind).inc()
         elif isinstance(action, (ChangeMembers, StartTransfer)):
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))
@@ -822,6 +862,14 @@ def _opt_bool(value: Any) -> bool | None:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _opt_ms(value: Any) -> float:
+    """A reported latency (ms): absent (an older worker) reads as 0, "not measured"."""
+    ms = float(value or 0)
+    if not 0 <= ms < float("inf"):
+        raise ValueError("a latency must be a finite, non-negative number of ms")
+    return ms
 
 
 def _failed_of(rep: dict[str, Any]) -> str | None:

@@ -50,14 +50,19 @@ class Settings:
     # A replica the controller assigned that has not caught up this long is
     # cancelled and placed on another worker (meta/repair.py).
     assignment_timeout_ms: int = 300_000
-    # A balancing move (meta/balance.py) is never followed by another move of
-    # the same group's leadership within this window.
-    rebalance_window_ms: int = 30_000
     # Snapshot downloads a worker serves at once (a learner beyond it is told
     # to come back later), and the MB/s of snapshot data it sends, shared by
     # them (0 = unlimited): moving replicas must not starve replication.
     snapshot_concurrency: int = 2
     snapshot_rate_mb_s: int = 64
+    # Balancing (meta/hotspot.py, meta/balance.py): how long a hot condition
+    # must hold before a move, and how long a moved group is then left alone.
+    rebalance_window_ms: int = 30_000
+    # A leader is hot when its persist p99 exceeds this times its group's median.
+    hot_latency_ratio: float = 2.0
+    # A worker sheds a replica when its load exceeds the mean by this fraction.
+    hot_worker_threshold: float = 0.5
+    hot_relief: bool = True  # false: no hot-leader moves and no shedding
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

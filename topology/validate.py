@@ -53,6 +53,16 @@ SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every
 # Integer settings that may be 0, and what 0 means there (runbook/topology.md says it too).
 SETTINGS_ZERO_MEANS = {"snapshot_rate_mb_s": "unlimited"}
 SETTINGS_ENUMS = {"ack": ACK_MODES, "fsync": FSYNC_MODES}
+# key -> (exclusive lower bound, upper bound, why the lower bound): ratios, not counts.
+SETTINGS_FLOATS = {
+    "hot_latency_ratio": (1.0, 100.0, "a leader is compared with the median of its group, itself included: "
+                                      "at 1 or below every busy leader would count as hot"),
+    "hot_worker_threshold": (0.0, 100.0, "a fraction above the mean load (0.5 = 50 % above)"),
+}
+SETTINGS_BOOLS = ("hot_relief",)
+# A decision window shorter than a few heartbeats (lease_ms / 5 apart) would
+# judge noise, not a trend.
+MIN_REBALANCE_WINDOW_MS = 1000
 
 
 def _join(path: str, key: object) -> str:
@@ -126,6 +136,22 @@ class _Checker:
             return None
         if not lo <= v <= hi:
             self.add(path, f"must be between {lo} and {hi}, got {v}")
+            return None
+        return v
+
+    def want_ratio(self, v: object, path: str, above: float, hi: float, why: str) -> float | None:
+        # An integer is a ratio too (`hot_latency_ratio: 3`); a boolean is not.
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+            self.add(path, f"expected a number, got {'NaN' if v != v else _type_name(v)}")
+            return None
+        if not above < v <= hi:
+            self.add(path, f"must be greater than {above:g} and at most {hi:g} ({why}), got {v}")
+            return None
+        return float(v)
+
+    def want_bool(self, v: object, path: str) -> bool | None:
+        if not isinstance(v, bool):
+            self.add(path, f"expected true or false, got {_type_name(v)}")
             return None
         return v
 
@@ -343,6 +369,12 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
         path = f"settings.{key}"
         if key in SETTINGS_ENUMS:
             v: Any = c.want_choice(m[key], path, SETTINGS_ENUMS[key])
+        elif key in SETTINGS_FLOATS:
+            v = c.want_ratio(m[key], path, *SETTINGS_FLOATS[key])
+        elif key in SETTINGS_BOOLS:
+            v = c.want_bool(m[key], path)
+        elif key == "rebalance_window_ms":
+            v = c.want_int(m[key], path, MIN_REBALANCE_WINDOW_MS, MAX_SETTING_INT)
         else:
             v = c.want_int(m[key], path, 0 if key in SETTINGS_ZERO_MEANS else 1, MAX_SETTING_INT)
         if v is None:

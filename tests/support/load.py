@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import orjson
@@ -57,7 +57,8 @@ class LoadResult:
 class LoadGenerator:
     def __init__(self, gateways: list[str], clients: int = 8, ops_per_client: int = 200, seed: int = 1,
                  deadline_ms: int = 4000, incr_share: float = 0.2, read_share: float = 0.3,
-                 prefix: str | None = None, batch_share: float = 0.0, batch_size: tuple[int, int] = (4, 12)) -> None:
+                 prefix: str | None = None, batch_share: float = 0.0, batch_size: tuple[int, int] = (4, 12),
+                 route: Callable[[str], bool] | None = None) -> None:
         self.gateways = [g if g.startswith("http") else f"http://{g}" for g in gateways]
         self.clients = clients
         self.ops_per_client = ops_per_client
@@ -68,6 +69,8 @@ class LoadGenerator:
         self.batch_share = batch_share
         self.batch_size = batch_size
         self.prefix = prefix or uuid.uuid4().hex[:6]
+        # Only keys and entities it accepts (e.g. those of one shard): skewed load.
+        self.route = route
         self.result = LoadResult(History())
         self.stop = asyncio.Event()
 
@@ -98,7 +101,7 @@ class LoadGenerator:
 
     async def _client(self, session: aiohttp.ClientSession, client: int) -> None:
         h = self.result.history
-        entity = f"{self.prefix}-e{client}"
+        entity = self._name(f"{self.prefix}-e{client}")
         counter_key = f"{entity}/hits"
         self.result.counters[counter_key] = entity
         written: list[str] = []
@@ -128,7 +131,7 @@ class LoadGenerator:
             elif roll < self.incr_share + self.read_share + self.batch_share:
                 await self._batch(session, client, i, written)
             else:
-                key = f"{self.prefix}-c{client}-k{i}"
+                key = self._name(f"{self.prefix}-c{client}-k{i}")
                 value = f"{key}:{uuid.uuid4().hex[:8]}"
                 op = h.invoke(client, "write", key, value)
                 status, body = await self._call(session, "PUT", f"/items/{key}", {"v": value}, uuid.uuid4().hex,
@@ -139,6 +142,14 @@ class LoadGenerator:
                 else:
                     h.complete(op, self._outcome(body, status))
                 written.append(key)
+
+    def _name(self, base: str) -> str:
+        """`base`, or the first `base-rN` that `route` accepts."""
+        name, n = base, 0
+        while self.route is not None and not self.route(name):
+            n += 1
+            name = f"{base}-r{n}"
+        return name
 
     async def _batch(self, session: aiohttp.ClientSession, client: int, i: int, written: list[str]) -> None:
         h = self.result.history

@@ -100,6 +100,20 @@ async def test_acknowledged_writes_are_counted_once_per_batch_in_the_latency_sta
     assert shell.latency.samples[-1] > 0
 
 
+async def test_every_pass_that_persists_entries_is_timed_and_the_p99_covers_the_last_100(shell: GroupShell) -> None:
+    # What meta's hot-group relief compares across a group's replicas (persist_p99_ms).
+    before = len(shell.persist.samples)
+    await shell.write_many([(put(1), "p1"), (put(2), "p2")], "quorum", 5.0)
+    assert len(shell.persist.samples) == before + 1 and shell.persist.samples[-1] > 0
+    rep = shell.report()
+    assert rep["persist_p99_ms"] > 0 and rep["persist_ema_ms"] > 0
+    for i in range(150):
+        await shell.write_many([(put(i), f"q{i}")], "quorum", 5.0)
+    assert len(shell.persist.samples) == len(shell.latency.samples) == 100
+    shell.persist.samples.extend([1.0] * 98 + [50.0, 900.0])
+    assert shell.persist.p99() == 50.0  # nearest rank: one outlier in 100 is not the p99
+
+
 async def test_a_rid_repeated_in_a_batch_gets_the_result_each_time(shell: GroupShell) -> None:
     out = await shell.write_many([(put(1), "r1"), (put(1), "r1")], "quorum", 5.0)
     assert [o.result for o in out] == [{"id": "k1", "created": True}] * 2 and out[0].seq == out[1].seq

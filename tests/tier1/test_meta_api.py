@@ -387,3 +387,43 @@ async def test_the_same_pinned_file_again_steers_back_what_the_controller_moved(
         assert again["changed"] is False and again["plan_text"] == "no changes"
     finally:
         raft.close()
+
+
+
+async def test_hot_relief_prefers_then_transfers_and_counts_the_decision(meta_and_worker: Any) -> None:
+    """w1 leads groups 0 (hot: persist p99 5x its followers') and 1; after
+    rebalance_window_ms the controller names w2 preferred leader of group 0, has
+    w1 hand it over, and counts the decision on /metrics -- once."""
+    client, server, raft, calls, behaviour = meta_and_worker
+    fast = EXAMPLE.replace("fsync: batch}", "fsync: batch, rebalance_window_ms: 1000}")
+    addr = raft.sm.workers["w1"].addr  # the fake w1's, which the apply below resets to the file's
+    assert fast != EXAMPLE and (await put(client, fast)).status == 200
+    assert (await raft.submit({"op": "register_worker", "id": "w1", "addr": addr}, 5.0))["ok"]
+    assert (await raft.submit({"op": "set_leader", "group": 1, "leader": "w1", "expect_term": 1}, 5.0))["ok"]
+    for gid, term, lead in ((1, 2, "w1"), (2, 1, "w3")):
+        assert (await raft.submit({"op": "set_ready", "group": gid, "term": term, "leader": lead}, 5.0))["ok"]
+
+    async def beat() -> None:
+        while True:
+            for wid in ("w1", "w2", "w3"):
+                reps = {}
+                for gid, g in raft.sm.groups.items():
+                    lead = g.leader == wid
+                    reps[str(gid)] = {"term": g.term, "last_term": g.term, "last_seq": 10, "commit": 10,
+                                      "applied": 10, "role": "leader" if lead else "follower",
+                                      "write_rate": {0: 100.0, 1: 60.0}.get(gid, 0.0) if lead else 0.0,
+                                      "persist_p99_ms": 20.0 if lead and (gid, wid) == (0, "w1") else 4.0}
+                await client.post(f"/v1/workers/{wid}/heartbeat", json={"groups": reps})
+            await asyncio.sleep(0.2)
+
+    beating = asyncio.create_task(beat())
+    try:
+        await _until(lambda: raft.sm.groups[0].leader == "w2", "group 0's leadership to move to w2")
+        assert raft.sm.groups[0].preferred_leader == "w2" and calls[-1] == {"to": "w2"}
+        assert server._hot.held(0, _now_ms())
+        await asyncio.sleep(1.5)  # more than a window: nothing moves back, group 1 stays
+        assert (raft.sm.groups[0].leader, raft.sm.groups[1].leader) == ("w2", "w1") and len(calls) == 1
+        metrics = await (await client.get("/metrics")).text()
+        assert 'shardgrid_meta_controller_decisions_total{kind="hot_leader",reason="latency"} 1.0' in metrics
+    finally:
+        beating.cancel()

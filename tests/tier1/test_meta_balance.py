@@ -1,6 +1,7 @@
 """Leader-count balance (meta/balance.py): within one of even, never to a replica that is behind."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from meta.balance import LeaderCountMove, balance_leader_counts
@@ -115,4 +116,15 @@ def test_an_operators_pinned_leader_stays() -> None:
     assert balance_leader_counts(gs, WORKERS, soft(gs), NOW, LEASE) == []
     gs[1].preferred_leader = "w2"  # pinned elsewhere: the pin is not where it leads now
     (move,) = balance_leader_counts(gs, WORKERS, soft(gs), NOW, LEASE)
+    assert move.group == 1
+
+
+def test_the_coldest_group_moves_and_the_hot_one_is_left_to_hot_relief() -> None:
+    gs = groups(["w1", "w1", "w1", "w2"])
+    s = soft(gs)
+    reps = dict(s.workers["w1"].groups)
+    for gid, rate in ((0, 900.0), (1, 5.0), (2, 300.0)):
+        reps[gid] = dataclasses.replace(reps[gid], write_rate=rate)
+    s.heard_from("w1", NOW, reps)
+    (move,) = balance_leader_counts(gs, WORKERS, s, NOW, LEASE)
     assert move.group == 1

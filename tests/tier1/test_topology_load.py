@@ -193,6 +193,16 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
     ("settings-string-int", mutated(setp("settings.deadline_ms", "5s")), None,
      [("settings.deadline_ms", "expected an integer, got string")]),
     ("settings-null", mutated(setp("settings", None)), None, [("settings", "expected a mapping, got null")]),
+    ("hot-ratio-too-low", mutated(setp("settings.hot_latency_ratio", 1)), None,
+     [("settings.hot_latency_ratio", "must be greater than 1 and at most 100 (a leader is compared with the median")]),
+    ("hot-ratio-bool", mutated(setp("settings.hot_latency_ratio", True)), None,
+     [("settings.hot_latency_ratio", "expected a number, got boolean")]),
+    ("hot-threshold-zero", mutated(setp("settings.hot_worker_threshold", 0)), None,
+     [("settings.hot_worker_threshold", "must be greater than 0 and at most 100")]),
+    ("hot-relief-not-bool", mutated(setp("settings.hot_relief", "no")), None,
+     [("settings.hot_relief", "expected true or false, got string")]),
+    ("rebalance-window-short", mutated(setp("settings.rebalance_window_ms", 200)), None,
+     [("settings.rebalance_window_ms", "must be between 1000 and")]),
 ]
 # A case-insensitive host collision, built separately (two mutations).
 _collide = base_doc()
@@ -313,6 +323,18 @@ def test_snapshot_limits_default_and_a_zero_rate_means_unlimited() -> None:
     doc["settings"] = {"snapshot_concurrency": 5, "snapshot_rate_mb_s": 0}
     s = load_topology(dump(doc)).settings
     assert (s.snapshot_concurrency, s.snapshot_rate_mb_s) == (5, 0)
+
+
+
+def test_balancing_settings() -> None:
+    doc = base_doc()
+    doc["settings"] = {"rebalance_window_ms": 2500, "hot_latency_ratio": 3, "hot_worker_threshold": 0.25,
+                       "hot_relief": False}
+    s = load_topology(dump(doc)).settings
+    assert (s.rebalance_window_ms, s.hot_latency_ratio, s.hot_worker_threshold, s.hot_relief) == (2500, 3.0, 0.25, False)
+    assert isinstance(s.hot_latency_ratio, float)
+    d = Settings()
+    assert (d.rebalance_window_ms, d.hot_latency_ratio, d.hot_worker_threshold, d.hot_relief) == (30_000, 2.0, 0.5, True)
 
 
 def test_accepted_spellings() -> None:
