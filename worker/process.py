@@ -6,6 +6,8 @@ members) to each group's core, heartbeats per-group progress to the meta
 leader, and reports to meta what the cores ask for (ready, transfer).
 
 A group that failed on a disk error is retried in place (worker/retry.py).
+The data of a group meta's view no longer places here (removed, or replaced
+while this worker was away) is moved aside under a tombstone name.
 """
 from __future__ import annotations
 
@@ -212,6 +214,8 @@ class WorkerNode:
                 if shell is not None:
                     # Meta records only committed memberships: this replica was removed.
                     self._spawn(self._drop_group(gid))
+                else:
+                    self._drop_stale(gid)
                 continue
             if shell is None and gid not in self.corrupt:
                 shell = self._open_group(gid, topo)
@@ -257,6 +261,29 @@ class WorkerNode:
         finally:
             self._closing.discard(gid)
         self.log.info("group_removed", group=gid, kept_at=str(gone))
+
+    def _drop_stale(self, gid: int) -> None:
+        """Move aside the data of a group meta places elsewhere that no shell
+        here holds: this worker was replaced in it while it was down (or its
+        replica was found corrupt here). Like `_drop_group`, it keeps the data."""
+        if gid in self._closing:
+            return  # `_drop_group` is at it
+        if self.corrupt.pop(gid, None) is not None:
+            self.log.info("group_corrupt_forgotten", group=gid, reason="no longer a member")
+        root = self._group_dir(gid)
+        if not root.is_dir() or root.is_symlink():
+            return
+        gone = _tombstone(root)
+        try:
+            root.rename(gone)
+        except OSError as exc:
+            # Leave it for the next view: the worker runs on without it.
+            self.log.warning("group_stale_drop_failed", group=gid, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.log.info("group_stale_dropped", group=gid, kept_at=str(gone))
+
+    def _group_dir(self, gid: int) -> Path:
+        return self.cfg.data / "groups" / str(gid)
 
     def _hosts(self, gid: int, shell: GroupShell) -> bool:
         """`shell` is still this worker's replica of `gid`, and meta's view still places one here."""

@@ -1,5 +1,5 @@
-"""Retry in place of a group failed on a disk error (worker/retry.py,
-worker/process.py), on a real WorkerNode and GroupShell.
+"""Retry in place of a group failed on a disk error, and stale replica data
+(worker/retry.py, worker/process.py), on a real WorkerNode and GroupShell.
 
 The disk fault is injected at the system calls: while `full`, every write,
 fsync and allocation of a file under the node's data directory fails with
@@ -197,6 +197,36 @@ async def test_a_replica_dropped_from_the_view_is_not_reopened(node: WorkerNode,
     await _until(lambda: 0 not in node.groups and not (tmp_path / "data" / "groups" / "0").exists())
     assert [p.name.startswith("0.removed-") for p in (tmp_path / "data" / "groups").iterdir()] == [True]
     assert _retries(node, "reopened") == 0
+
+
+async def test_stale_replica_data_is_moved_aside_when_the_view_places_the_group_elsewhere(
+        node: WorkerNode, tmp_path: Path) -> None:
+    groups = tmp_path / "data" / "groups"
+    for name in ("5", "6", "7", "9", "notes"):
+        (groups / name).mkdir(parents=True)
+        (groups / name / "keep").write_text(name)
+    node.corrupt[6] = "WAL hard state unreadable"  # found corrupt at start, then replaced
+    node.corrupt[8] = "WAL hard state unreadable"  # corrupt, still a member: the operator's
+    # 5 and 6: replaced while this worker was away; 7: ours; 8: ours, corrupt; 9, notes: meta knows nothing of them.
+    node._apply_view(_view(3, {5: (4, "w2", ["w2", "w3"]), 6: (2, "w3", ["w2", "w3"]), 7: (1, "w1", ["w1"]),
+                               8: (1, "w2", ["w1", "w2"])}))
+    await _until(lambda: _ready(node, 7))
+    names = sorted(p.name for p in groups.iterdir())
+    gone5 = [n for n in names if n.startswith("5.removed-")]
+    gone6 = [n for n in names if n.startswith("6.removed-")]
+    assert len(gone5) == 1 and len(gone6) == 1
+    assert (groups / gone5[0] / "keep").read_text() == "5"  # kept, not deleted
+    assert {"7", "9", "notes"} <= set(names) and "5" not in names and "6" not in names
+    assert (groups / "7" / "keep").read_text() == "7" and (groups / "7" / "wal").is_dir()
+    assert (groups / "9" / "keep").read_text() == "9"
+    assert node.corrupt == {8: "WAL hard state unreadable"}
+    assert "6" not in node.group_reports() and node.group_reports()["8"]["state"] == "corrupt"
+
+    # Replaced again after coming back: the new tombstone does not clash with the old one.
+    (groups / "5").mkdir()
+    node._apply_view(_view(4, {5: (4, "w2", ["w2", "w3"]), 7: (1, "w1", ["w1"])}))
+    assert len([p for p in groups.iterdir() if p.name.startswith("5.removed-")]) == 2
+    assert not (groups / "5").exists() and (groups / "7").is_dir()
 
 
 def test_the_probe_writes_syncs_and_removes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
