@@ -317,7 +317,7 @@ class WorkerNode:
         """The failed groups whose next try is due; keeps every failed group's backoff."""
         for gid in [g for g in self._retries if g not in self.groups]:
             del self._retries[gid]
-        due = []
+        due: list[tuple[int, GroupShell, Backoff]] = []
         for gid, shell in self.groups.items():
             backoff = self._retries.get(gid)
             if shell.failed is None:
