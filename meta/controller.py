@@ -95,8 +95,9 @@ class GroupReport:
     config_seq: int = 0
     # The replica lost its log and re-syncs: it must neither lead nor vote.
     resyncing: bool = False
-    # The replica's group loop stopped (a disk error): it answers nothing
-    # until its worker restarts, so it must not lead. Why, as the worker said.
+    # The replica's group loop stopped (a disk error): it answers nothing until
+    # its worker reopens it (retry in place) or restarts, so it must not lead.
+    # Why, as the worker said.
     failed: str | None = None
     write_rate: float = 0.0  # acknowledged writes/s (leaders), for lag allowances
     # Check-quorum: a leader's verdict (None: not leading, or an older worker)

@@ -36,6 +36,7 @@ renames it into place, restores the plugin and reports `SnapshotInstalled`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -59,7 +60,7 @@ from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, instal
                               prune_snapshots, restore_snapshot, snapshot_at, write_snapshot)
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import Transport
-from worker.wal import Wal
+from worker.wal import Recovered, Wal, WalFailed
 
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
@@ -257,6 +258,10 @@ class GroupShell:
         self._writer_pool: ThreadPoolExecutor | None = None  # plugin snapshot writers
         self._session: aiohttp.ClientSession | None = None
         self.failed: str | None = None
+        # Failed on an error from the disk (the WAL's, a snapshot's): a cause
+        # that may clear, so the worker retries the group in place
+        # (worker/retry.py). Anything else is a bug and stays failed.
+        self.failed_on_disk = False
         self.latency = _LatencyStats()
         # Every replica's (leader's and follower's alike) time from entries
         # reaching this group's queue to their being durable here: comparable
@@ -271,27 +276,38 @@ class GroupShell:
     # -- lifecycle ------------------------------------------------------------
 
     def open(self) -> None:
-        """Recover from disk and build the core. Raises GroupCorrupt.
+        """Recover from disk and build the core. Raises GroupCorrupt, or OSError from the disk.
 
         A WAL damaged before its tail is discarded (the term is kept) and
         the replica re-syncs from the leader: a RESYNC marker, written
         before anything is deleted, keeps it from voting or leading until
         a ready leader has brought it up to date, across restarts too.
         """
+        try:
+            self._open()
+        except BaseException:
+            # Release the directory (the WAL's lock): the next open of this
+            # group, a retry in place (worker/retry.py), must not find it held.
+            if self.wal is not None:
+                with contextlib.suppress(OSError):
+                    self.wal.close()
+                self.wal = None
+            raise
+
+    def _open(self) -> None:
         from worker.wal import HardState, WalCorrupt
 
         self.root.mkdir(parents=True, exist_ok=True)
         wal_dir = self.root / "wal"
         marker = self.root / RESYNC_MARKER
-        fsync = self.settings.fsync
         try:
-            wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
+            wal, rec = self._recover_wal(wal_dir)
         except WalCorrupt as exc:
             self.log.error("wal_corrupt_resyncing", error=str(exc))
             _write_marker(marker, str(exc))
             Wal.discard(wal_dir)
             try:
-                wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
+                wal, rec = self._recover_wal(wal_dir)
             except WalCorrupt as again:
                 raise GroupCorrupt(f"WAL hard state unreadable: {again}") from again
         hs = rec.hard_state
@@ -308,7 +324,7 @@ class GroupShell:
                 wal.close()
                 _write_marker(marker, str(exc))
                 Wal.discard(wal_dir, HardState(term=hs.term))
-                wal, rec = Wal.recover(wal_dir, fsync=fsync, segment_bytes=self.settings.segment_bytes)  # type: ignore[arg-type]
+                wal, rec = self._recover_wal(wal_dir)
                 hs = rec.hard_state
         self._last_snapshot_seq = hs.snap_seq
         if self.snap_dir.exists():
@@ -339,6 +355,12 @@ class GroupShell:
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
+    def _recover_wal(self, wal_dir: Path) -> tuple[Wal, Recovered]:
+        wal, rec = Wal.recover(wal_dir, fsync=self.settings.fsync,  # type: ignore[arg-type]
+                               segment_bytes=self.settings.segment_bytes)
+        self.wal = wal  # at once: a failed open releases it
+        return wal, rec
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"group-{self.gid}")
 
@@ -367,6 +389,8 @@ class GroupShell:
     # -- inputs ------------------------------------------------------------------------
 
     def deliver(self, event: Any) -> None:
+        if self.failed is not None:
+            return  # no loop takes events from a failed group
         if self._arrived is None:
             self._arrived = time.perf_counter()  # one clock read per pass, not per event
         self._queue.put_nowait(event)
@@ -482,9 +506,15 @@ class GroupShell:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a replica bug or a disk failure: stop this group, loudly
-            self.failed = f"{type(exc).__name__}: {exc}"
-            self.log.critical("group_failed", error=self.failed, exc_info=True)
+            self.mark_failed(exc)
+            self.log.critical("group_failed", error=self.failed, on_disk=self.failed_on_disk, exc_info=True)
             self._fail_all("group failed on this worker")
+
+    def mark_failed(self, exc: BaseException) -> None:
+        """Stop serving: this group answers `unavailable` and reports `failed` from now on."""
+        self.failed = f"{type(exc).__name__}: {exc}"
+        # WalFailed: an earlier OSError failed the WAL (it says so once).
+        self.failed_on_disk = isinstance(exc, (OSError, WalFailed))
 
     async def _perform(self, effects: list[m.Effect]) -> None:
         first = next((i for i, e in enumerate(effects) if type(e) is m.Persist), None)
@@ -892,7 +922,8 @@ class GroupShell:
     def report(self) -> dict[str, Any]:
         r = self.replica
         if r is None:
-            return {"state": "closed"}
+            # Not opened: a failure to open it (the disk) is a failed replica to meta too.
+            return {"state": "closed"} if self.failed is None else {"state": "failed", "failed": self.failed}
         now = now_ms()
         heard, lost = r.leader_heard_at, r.quorum_lost_at
         dl = self.download

@@ -4,6 +4,10 @@ It registers with meta, watches `/v1/cluster`, opens (or creates) every group
 whose voters or learners name it, feeds meta's assignment (term, leader,
 members) to each group's core, heartbeats per-group progress to the meta
 leader, and reports to meta what the cores ask for (ready, transfer).
+
+A group that failed on a disk error is retried in place (worker/retry.py).
+The data of a group meta's view no longer places here (removed, or replaced
+while this worker was away) is moved aside under a tombstone name.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Any
 
 import uvloop
 from aiohttp import web
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
@@ -29,9 +33,11 @@ from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
 from worker.plugins.base import PluginSettings, load_plugin
+from worker.retry import Backoff, RetryPolicy, probe_disk, settle_from_disk
 from worker.server import WorkerApi
 from worker.throttle import SnapshotServing
 from worker.transport import SendStats, Transport
+from worker.wal import WalError
 
 
 # How often the bytes each hosted group holds on disk are measured (a walk of its directory).
@@ -104,8 +110,16 @@ class WorkerNode:
         self._wal_sync = Histogram("shardgrid_wal_sync_seconds", "WAL fdatasync duration, all groups of this worker",
                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                                    registry=reg)
+        self._retries_total = Counter("shardgrid_group_retries", "retries in place of groups failed on a disk "
+                                      "error, by outcome (reopened, probe_failed, open_failed)", ["outcome"],
+                                      registry=reg)
         self.groups: dict[int, GroupShell] = {}
         self.corrupt: dict[int, str] = {}
+        self.retry_policy = RetryPolicy()
+        self._retries: dict[int, Backoff] = {}
+        # Groups whose shell is being closed and their directory renamed: no one
+        # else may move that directory meanwhile.
+        self._closing: set[int] = set()
         self.view: dict[str, Any] | None = None
         self.registered = False
         self.default_ack = "quorum"
@@ -132,9 +146,7 @@ class WorkerNode:
         return w["addr"] if w else None
 
     def leader_of(self, gid: int) -> str | None:
-        if self.view is None:
-            return None
-        g = self.view["groups"].get(str(gid)) or self.view["groups"].get(gid)
+        g = self._view_group(gid)
         return g["leader"] if g else None
 
     def report_ready(self, group: int, term: int) -> None:
@@ -219,12 +231,13 @@ class WorkerNode:
                 if shell is not None:
                     # Meta records only committed memberships: this replica was removed.
                     self._spawn(self._drop_group(gid))
+                else:
+                    self._drop_stale(gid)
                 continue
             if shell is None and gid not in self.corrupt:
                 shell = self._open_group(gid, topo)
             if shell is not None:
-                shell.deliver(m.MetaView(g["term"], g["leader"], tuple(g["voters"]), tuple(g["learners"]),
-                                         int(g.get("conf_ver", 0))))
+                shell.deliver(_meta_view(g))
 
     def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
         s = topo["settings"]
@@ -242,7 +255,13 @@ class WorkerNode:
             self.corrupt[gid] = str(exc)
             self.log.error("group_corrupt", group=gid, error=str(exc))
             return None
-        shell.start()
+        except OSError as exc:
+            # The disk, not the data: a failed replica, retried in place like one
+            # whose disk failed while it ran.
+            shell.mark_failed(exc)
+            self.log.error("group_open_failed", group=gid, error=shell.failed)
+        else:
+            shell.start()
         self.groups[gid] = shell
         return shell
 
@@ -250,11 +269,133 @@ class WorkerNode:
         shell = self.groups.pop(gid, None)
         if shell is None:
             return
-        await shell.close()
-        # Keep the data under a tombstone name: an operator may still want it.
-        gone = shell.root.with_name(f"{shell.root.name}.removed-{int(time.time())}")
-        shell.root.rename(gone)
+        self._closing.add(gid)
+        try:
+            await shell.close()
+            # Keep the data under a tombstone name: an operator may still want it.
+            gone = _tombstone(shell.root)
+            shell.root.rename(gone)
+        finally:
+            self._closing.discard(gid)
         self.log.info("group_removed", group=gid, kept_at=str(gone))
+
+    def _drop_stale(self, gid: int) -> None:
+        """Move aside the data of a group meta places elsewhere that no shell
+        here holds: this worker was replaced in it while it was down (or its
+        replica was found corrupt here). Like `_drop_group`, it keeps the data."""
+        if gid in self._closing:
+            return  # `_drop_group` is at it
+        if self.corrupt.pop(gid, None) is not None:
+            self.log.info("group_corrupt_forgotten", group=gid, reason="no longer a member")
+        root = self._group_dir(gid)
+        if not root.is_dir() or root.is_symlink():
+            return
+        gone = _tombstone(root)
+        try:
+            root.rename(gone)
+        except OSError as exc:
+            # Leave it for the next view: the worker runs on without it.
+            self.log.warning("group_stale_drop_failed", group=gid, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.log.info("group_stale_dropped", group=gid, kept_at=str(gone))
+
+    def _group_dir(self, gid: int) -> Path:
+        return self.cfg.data / "groups" / str(gid)
+
+    def _hosts(self, gid: int, shell: GroupShell) -> bool:
+        """`shell` is still this worker's replica of `gid`, and meta's view still places one here."""
+        if self.groups.get(gid) is not shell or gid in self._closing:
+            return False
+        g = self._view_group(gid)
+        return g is not None and self.id in set(g["voters"]) | set(g["learners"])
+
+    def _view_group(self, gid: int) -> dict[str, Any] | None:
+        if self.view is None:
+            return None
+        groups = self.view["groups"]
+        g: dict[str, Any] | None = groups.get(str(gid)) or groups.get(gid)
+        return g
+
+    # -- retry in place (worker/retry.py) ------------------------------------------------
+
+    async def _retry_failed(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_policy.tick_s)
+            for gid, shell, backoff in self._retries_due(time.monotonic()):
+                try:
+                    await self._retry_group(gid, shell, backoff)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a bug in one group's retry must not stop the others'
+                    backoff.wait_longer(time.monotonic())
+                    self.log.exception("group_retry_error", group=gid, error=f"{type(exc).__name__}: {exc}")
+
+    def _retries_due(self, now: float) -> list[tuple[int, GroupShell, Backoff]]:
+        """The failed groups whose next try is due; keeps every failed group's backoff."""
+        for gid in [g for g in self._retries if g not in self.groups]:
+            del self._retries[gid]
+        due: list[tuple[int, GroupShell, Backoff]] = []
+        for gid, shell in self.groups.items():
+            backoff = self._retries.get(gid)
+            if shell.failed is None:
+                if backoff is not None and backoff.settled(now):
+                    del self._retries[gid]
+            elif not shell.failed_on_disk:
+                continue  # a bug, not a cause that clears: it waits for an operator (or repair)
+            elif backoff is None:
+                self._retries[gid] = Backoff.first(self.retry_policy, now)
+            elif backoff.reopened_at is not None:
+                backoff.wait_longer(now)  # reopened, and failed again
+            elif backoff.due(now):
+                due.append((gid, shell, backoff))
+        return due
+
+    async def _retry_group(self, gid: int, shell: GroupShell, backoff: Backoff) -> None:
+        """Probe the group's disk; when it works, close the group and open it
+        from disk as a process restart would (nothing of the failed shell
+        carries over: a new plugin, core and WAL)."""
+        if not self._hosts(gid, shell):
+            return
+        try:
+            # In a thread: a sick disk can block for long.
+            await asyncio.to_thread(probe_disk, shell.root)
+            if not self._hosts(gid, shell):
+                return
+            await shell.close()
+            await asyncio.to_thread(settle_from_disk, shell.root)
+        except OSError as exc:
+            backoff.wait_longer(time.monotonic())
+            self._retries_total.labels("probe_failed").inc()
+            self.log.warning("group_retry_probe_failed", group=gid, error=f"{type(exc).__name__}: {exc}",
+                             attempt=backoff.attempts, next_in_s=backoff.delay)
+            return
+        if not self._hosts(gid, shell) or self.view is None or self.view.get("topology") is None:
+            return
+        try:
+            fresh = self._open_group(gid, self.view["topology"])
+        except WalError as exc:
+            # Not the disk (the directory still held, say): the failed shell stays; try again later.
+            backoff.wait_longer(time.monotonic())
+            self.log.error("group_retry_open_error", group=gid, error=f"{type(exc).__name__}: {exc}")
+            return
+        if fresh is None:
+            # Found corrupt (recorded in self.corrupt): an operator's, or repair's, now.
+            self.groups.pop(gid, None)
+            return
+        if fresh.failed is not None:
+            backoff.wait_longer(time.monotonic())
+            self._retries_total.labels("open_failed").inc()
+            self.log.warning("group_retry_open_failed", group=gid, error=fresh.failed, attempt=backoff.attempts,
+                             next_in_s=backoff.delay)
+            return
+        now = time.monotonic()
+        backoff.reopened(now)
+        self._retries_total.labels("reopened").inc()
+        self.log.info("group_reopened", group=gid, was=shell.failed, attempt=backoff.attempts,
+                      failed_for_s=round(now - backoff.failed_at, 1))
+        view = self._view_group(gid)
+        if view is not None:
+            fresh.deliver(_meta_view(view))
 
     def update_gauges(self) -> None:
         for gid, shell in self.groups.items():
@@ -320,7 +461,7 @@ class WorkerNode:
 
     def start_background(self) -> None:
         self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._heartbeat()),
-                       asyncio.create_task(self._measure())]
+                       asyncio.create_task(self._measure()), asyncio.create_task(self._retry_failed())]
 
     async def close(self) -> None:
         for task in [*self._tasks, *self._background]:
@@ -334,6 +475,20 @@ class WorkerNode:
             await shell.close()
         await self.transport.close()
         await self.meta.close()
+
+
+def _meta_view(g: dict[str, Any]) -> m.MetaView:
+    return m.MetaView(g["term"], g["leader"], tuple(g["voters"]), tuple(g["learners"]), int(g.get("conf_ver", 0)))
+
+
+def _tombstone(root: Path) -> Path:
+    """A free name beside `root` to keep a removed replica's data under."""
+    gone = root.with_name(f"{root.name}.removed-{int(time.time())}")
+    base, n = gone, 1
+    while gone.exists():  # removed twice within a second
+        gone = base.with_name(f"{base.name}-{n}")
+        n += 1
+    return gone
 
 
 def _preload_torch(log: Any) -> None:

@@ -192,6 +192,10 @@ def test_repair_under_pinned_groups_is_drift_and_reapplying_the_file_moves_it_ba
         wait_until(lambda: "DRIFT" not in c.topoctl("status").stdout, 60, "leader balance to give w3 group 2 back")
         last = c.topoctl("apply", str(path), "--dry-run")
         assert "no changes" in last.stdout and "drift" not in last.stdout, last.stdout
+    finally:
+        c.close()
+
+
 def test_a_snapshot_download_keeps_to_the_rate_and_its_bytes_show_while_it_runs(tmp_path: Path) -> None:
     """settings.snapshot_rate_mb_s: 1 and a snapshot of several MB: the add takes
     seconds to download, `topoctl replicas` prints the bytes as they arrive
