@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.wal import fsync_dir
+
 # First retry a second after the failure is seen, then doubling up to half a
 # minute: a full disk is seldom freed within seconds, and a probe writes to it.
 RETRY_FIRST_S = 1.0
@@ -91,7 +93,7 @@ def probe_disk(directory: Path, size: int = PROBE_BYTES) -> None:
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def settle_from_disk(root: Path) -> None:
@@ -101,7 +103,7 @@ def settle_from_disk(root: Path) -> None:
         if path.is_symlink():
             continue
         if path.is_dir():
-            _fsync_dir(path)
+            fsync_dir(path)
             continue
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -109,12 +111,4 @@ def settle_from_disk(root: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)

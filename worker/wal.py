@@ -359,7 +359,7 @@ def _pread_exact(path: Path, size: int, offset: int) -> bytes:
     return data
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -539,7 +539,7 @@ class Wal:
             for _, seg_path in reversed(_list_segments(path)):
                 seg_path.unlink()
             if fsync:
-                _fsync_dir(path)
+                fsync_dir(path)
             if hard_state is not None:
                 _write_hard_state_file(path, hard_state, sync=fsync)
         finally:
@@ -694,7 +694,7 @@ class Wal:
                 # Records that survived a SIGKILL may be only in the page cache.
                 os.fsync(self._fd)
         if sync:
-            _fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
+            fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
         self.recovery = Recovery(torn_bytes=torn_bytes, torn_segment=torn_segment,
                                  removed_segments=tuple(removed), segments=len(segments))
 
@@ -876,7 +876,7 @@ class Wal:
         self._segments.append(seg)
         self._dirty = False
         if self._sync_on:
-            _fsync_dir(self._dir)  # the new name must survive for its records to
+            fsync_dir(self._dir)  # the new name must survive for its records to
         return seg
 
     def _roll(self, first_seq: int) -> _Segment:
@@ -962,7 +962,7 @@ class Wal:
         if drop and self._sync_on:
             # Before the cut below: the deleted segments must not come back
             # behind a shortened one.
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         if self._segments:
             seg = self._segments[-1]
             index = seq + 1 - seg.first_seq
@@ -1036,7 +1036,7 @@ class Wal:
             seg.path.unlink()
         self._segments.clear()
         if self._sync_on:
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         self._dirty = False
         self._commit = snap_seq
         self._write_hard_state(replace(self._hard, commit=snap_seq, snap_term=snap_term, snap_seq=snap_seq))
@@ -1221,7 +1221,7 @@ def _make_dir(path: Path, *, sync: bool) -> None:
     if sync:
         # A new directory's name lives in its parent: make it durable too.
         for p in missing:
-            _fsync_dir(p.parent)
+            fsync_dir(p.parent)
 
 
 def _lock(path: Path) -> int:
@@ -1250,4 +1250,4 @@ def _write_hard_state_file(directory: Path, hs: HardState, *, sync: bool) -> Non
         os.close(fd)
     os.replace(tmp, directory / _HARD_STATE)
     if sync:
-        _fsync_dir(directory)
+        fsync_dir(directory)

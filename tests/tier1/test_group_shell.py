@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 import pytest
 import structlog
 
+from tests.support.group_hooks import NullHooks
 from worker import replica_msgs as m
 from worker.group import GroupSettings, GroupShell, _Restore, _snapshot_interval
 from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, load_plugin
@@ -21,23 +22,6 @@ from worker.snapshots import read_meta, write_snapshot
 class _NoPeers:
     def send(self, msg: Any) -> None:
         raise AssertionError("a single voter sends nothing")
-
-
-class _Hooks:
-    def peer_addr(self, worker_id: str) -> str | None:
-        return None
-
-    def report_ready(self, group: int, term: int) -> None:
-        pass
-
-    def transfer_ready(self, group: int, target: str, term: int) -> None:
-        pass
-
-    def report_quorum(self, group: int, term: int, ok: bool) -> None:
-        pass
-
-    def refresh_meta(self) -> None:
-        pass
 
 
 async def _until(cond: Any, timeout_s: float = 5.0) -> None:
@@ -52,7 +36,7 @@ def _started(tmp_path: Path, snapshot_every: int, plugin: Any = None, term: int 
     """A one-voter group (re)opened from `tmp_path`; meta names it leader of `term`."""
     g = GroupShell("a", 0, tmp_path, plugin or load_plugin("entities"),
                    GroupSettings(fsync="batch", snapshot_every=snapshot_every),
-                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     g.start()
     g.deliver(m.MetaView(term, "a", ("a",), (), 0))
@@ -237,7 +221,7 @@ async def _three_voter_leader(tmp_path: Path, trail: list[str]) -> tuple[GroupSh
     """Leader "a" of voters a, b, c, ready: b promised and acknowledged the term start."""
     peers = _Recorder(trail)
     g = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch"),
-                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+                   peers, NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     g.start()
     env = dict(src="b", dst="a", group=0, term=1)
@@ -434,7 +418,7 @@ def _incr() -> dict[str, Any]:
 def _follower(tmp_path: Path, settings: GroupSettings) -> tuple[GroupShell, _Sink]:
     peers = _Sink()
     b = GroupShell("b", 0, tmp_path / "b", load_plugin("entities"), settings,
-                   peers, _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+                   peers, NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
     return b, peers
 
 
@@ -626,7 +610,7 @@ async def test_an_archive_ahead_of_the_wal_is_served_but_recovery_uses_the_wals_
 
     # (A snapshot interval the replayed log does not reach: this run takes no snapshot of its own.)
     h = GroupShell("a", 0, tmp_path, load_plugin("entities"), GroupSettings(fsync="batch", snapshot_every=1000),
-                   _NoPeers(), _Hooks(), structlog.get_logger())  # type: ignore[arg-type]
+                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
     h.open()
     h.start()
     h.deliver(m.MetaView(2, "a", ("a",), (), 0))  # the restarted voter leads the next term

@@ -16,6 +16,7 @@ from aiohttp import web
 import structlog
 from aiohttp.test_utils import TestClient
 
+from tests.support.group_hooks import NullHooks
 from worker import replica_msgs as m
 from worker.group import GroupSettings, GroupShell
 from worker.plugins.base import load_plugin
@@ -162,30 +163,10 @@ class _Transport:
         return aiohttp.TCPConnector()
 
 
-class _Hooks:
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
-
-    def peer_addr(self, worker_id: str) -> str | None:
-        return self.addr if worker_id == "w1" else None
-
-    def report_ready(self, group: int, term: int) -> None:
-        pass
-
-    def transfer_ready(self, group: int, target: str, term: int) -> None:
-        pass
-
-    def report_quorum(self, group: int, term: int, ok: bool) -> None:
-        pass
-
-    def refresh_meta(self) -> None:
-        pass
-
-
 def _learner(tmp_path: Path, source: Source) -> GroupShell:
     """w4's new replica of group 0 (opened, its loop not running: the restore is not under test)."""
     g = GroupShell("w4", 0, tmp_path / "w4", load_plugin("entities"), GroupSettings(fsync="batch"),
-                   _Transport(), _Hooks(source.addr), structlog.get_logger())  # type: ignore[arg-type]
+                   _Transport(), NullHooks(source.addr), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     return g
 

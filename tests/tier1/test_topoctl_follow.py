@@ -58,6 +58,17 @@ def _no_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(topoctl, "POLL_S", 0)
 
 
+# What following the views of RECEIVING prints: each group's change once.
+RECEIVED = [
+        "group 0: add w4: catch_up: w4 receiving snapshot: 0 B of 40 MB (0%)",
+        "group 1: add w4: catch_up: w4 waiting for a snapshot download slot (settings.snapshot_concurrency): "
+        "0 B of 40 MB (0%)",
+        "group 0: add w4: catch_up: w4 receiving snapshot: 12 MB of 40 MB (30%)",
+        "group 0: add w4: promote: w4 caught up: applied 900 of 910",
+        "group 1: add w4: catch_up: w4 receiving snapshot: 2 MB of 40 MB (5%)",
+]
+
+
 def _progress_lines(out: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip().startswith("group ")]
 
@@ -67,12 +78,7 @@ async def test_apply_follow_prints_each_change_of_a_groups_snapshot_progress_onc
     views = [_view(ops) for ops in RECEIVING] + [_view({}, w1_hosts=False)]
     assert await topoctl.follow_convergence(_FakeMeta(views), wait_s=10) == 0  # type: ignore[arg-type]
     assert _progress_lines(capsys.readouterr().out) == [
-        "group 0: add w4: catch_up: w4 receiving snapshot: 0 B of 40 MB (0%)",
-        "group 1: add w4: catch_up: w4 waiting for a snapshot download slot (settings.snapshot_concurrency): "
-        "0 B of 40 MB (0%)",
-        "group 0: add w4: catch_up: w4 receiving snapshot: 12 MB of 40 MB (30%)",
-        "group 0: add w4: promote: w4 caught up: applied 900 of 910",
-        "group 1: add w4: catch_up: w4 receiving snapshot: 2 MB of 40 MB (5%)",
+        *RECEIVED,
         "group 0: converged (voters w2,w3,w4; leader w2)",
         "group 1: converged (voters w2,w3,w4; leader w2)",
     ]
@@ -85,12 +91,5 @@ async def test_drain_follow_prints_operator_messages_one_line_per_group_change(
     args = argparse.Namespace(worker="w1", no_wait=False, wait=10.0)
     assert await topoctl.cmd_drain(args) == 0
     out = capsys.readouterr().out
-    assert _progress_lines(out) == [
-        "group 0: add w4: catch_up: w4 receiving snapshot: 0 B of 40 MB (0%)",
-        "group 1: add w4: catch_up: w4 waiting for a snapshot download slot (settings.snapshot_concurrency): "
-        "0 B of 40 MB (0%)",
-        "group 0: add w4: catch_up: w4 receiving snapshot: 12 MB of 40 MB (30%)",
-        "group 0: add w4: promote: w4 caught up: applied 900 of 910",
-        "group 1: add w4: catch_up: w4 receiving snapshot: 2 MB of 40 MB (5%)",
-    ]
+    assert _progress_lines(out) == RECEIVED
     assert out.count("leads groups -; hosts groups 0,1") == 1 and "w1: drained" in out
