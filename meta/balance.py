@@ -21,13 +21,17 @@ only when:
   progress, and was not moved (by this rule, isolation or hot relief) within
   the decision window.
 
-An operator's transfer, and a file that pins `groups:`, pin the group's
-leader (`leader_pinned`): such a group is left where it was put while that
-leader can lead. Groups whose preferred leader cannot lead (not a voter,
-or on a worker that is not eligible) are moved first: they have no leader
-anyone can have asked for. Automatic placement spreads leaders evenly, so
-this rule mostly re-homes the leaderships of replaced workers and gives
-workers that joined later their share.
+Which groups it may move: a group whose preferred leader can never lead
+again (not a voter any more, or on a worker that is draining, drained or
+removed) first -- no leader anyone can have asked for; then a group led by
+its preferred leader that nobody pinned. An operator's transfer and a file
+that pins `groups:` pin the leader (`leader_pinned`), and such a group stays
+where it was put; a group whose preferred leader is only down or warming up
+is left to preference balance (`rebalance`), which brings it home. Among
+those, the coldest (lowest write rate) first: moving a cold group's
+leadership costs least, and it leaves the hot groups to hot-group relief
+(meta/hotspot.py).
+
 Every move reduces the spread and the rule stops at a difference of one, so
 it cannot undo its own moves.
 """
@@ -92,10 +96,12 @@ def balance_leader_counts(groups: Sequence[GroupRecord], workers: Mapping[str, W
         best: tuple[tuple[int, float, int, int, str], LeaderCountMove] | None = None
         for g in led:
             moved = (moved_ms or {}).get(g.id)
-            if g.leader != source or g.id in busy or (moved is not None and now_ms - moved < window_ms) \
-                    or (g.leader_pinned and g.preferred_leader == g.leader):
+            if g.leader != source or g.id in busy or (moved is not None and now_ms - moved < window_ms):
                 continue
-            orphan = g.preferred_leader not in g.voters or g.preferred_leader not in eligible
+            pref = workers.get(g.preferred_leader or "")
+            orphan = g.preferred_leader not in g.voters or pref is None or pref.state not in ELIGIBLE
+            if not orphan and (g.leader_pinned or g.preferred_leader != g.leader):
+                continue  # pinned, or on its way back to a preferred leader that is down or warming up
             for v in g.voters:
                 if v == source or v not in eligible or counts[v] > counts[source] - 2 or not can_take(g, soft, v,
                                                                                                     lease_ms):

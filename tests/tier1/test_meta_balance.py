@@ -114,9 +114,13 @@ def test_an_operators_pinned_leader_stays() -> None:
     for g in gs[:3]:
         g.leader_pinned = True
     assert balance_leader_counts(gs, WORKERS, soft(gs), NOW, LEASE) == []
-    gs[1].preferred_leader = "w2"  # pinned elsewhere: the pin is not where it leads now
-    (move,) = balance_leader_counts(gs, WORKERS, soft(gs), NOW, LEASE)
-    assert move.group == 1
+    gs[1].preferred_leader = "w2"  # on its way to w2: preference balance's business
+    gs[1].leader_pinned = False
+    assert balance_leader_counts(gs, WORKERS, soft(gs), NOW, LEASE) == []
+    # Unless that preferred leader can never lead again.
+    ws = workers(("w1", "active"), ("w2", "drained"), ("w3", "active"), ("w4", "active"))
+    (move,) = balance_leader_counts(gs, ws, soft(gs), NOW, LEASE)
+    assert (move.group, move.target) == (1, "w3")
 
 
 def test_the_coldest_group_moves_and_the_hot_one_is_left_to_hot_relief() -> None:
