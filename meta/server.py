@@ -765,16 +765,14 @@ class MetaServer:
             if result.get("ok"):
                 self._refuse(action.group, action.worker, "timeout")
         elif isinstance(action, StartOperator):
-            if action.kind == "add" and not await self._assignment_accepted(action):
-                return
-            result = await self._submit(self._operator_cmd(action.group, action.kind, action.worker,
-                                                           action.reason, action.replaces, action.by))
-            self.log.info("placement_step_started", by=action.by, group=action.group, kind=action.kind,
-                          worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
-            if result.get("ok"):
-                self.c_placement.labels(action.by, action.kind).inc()
-                if action.by != "shed":  # hot relief counted its own when it decided
-                    self.c_decisions.labels(action.by, action.kind).inc()
+            if action.kind == "add":
+                # Asking the worker first may take up to a call timeout: off
+                # the pass, which must go on failing groups over meanwhile.
+                self._busy_groups.add(action.group)
+                task = asyncio.create_task(self._assign(action))
+                task.add_done_callback(lambda _t, g=action.group: self._busy_groups.discard(g))
+            else:
+                await self._start_operator(action)
         elif isinstance(action, (ChangeMembers, StartTransfer)):
             self._busy_groups.add(action.group)
             task = asyncio.create_task(self._call_leader(action))
@@ -784,6 +782,20 @@ class MetaServer:
         assert self.soft is not None
         self.soft.refused[(group, worker)] = Refusal(reason, _now_ms() + REFUSAL_HOLD_MS)
         self.c_decisions.labels("refused", reason).inc()
+
+    async def _assign(self, action: StartOperator) -> None:
+        if await self._assignment_accepted(action):
+            await self._start_operator(action)
+
+    async def _start_operator(self, action: StartOperator) -> None:
+        result = await self._submit(self._operator_cmd(action.group, action.kind, action.worker,
+                                                       action.reason, action.replaces, action.by))
+        self.log.info("placement_step_started", by=action.by, group=action.group, kind=action.kind,
+                      worker=action.worker, reason=action.reason, ok=result.get("ok"), code=result.get("code"))
+        if result.get("ok"):
+            self.c_placement.labels(action.by, action.kind).inc()
+            if action.by != "shed":  # hot relief counted its own when it decided
+                self.c_decisions.labels(action.by, action.kind).inc()
 
     async def _assignment_accepted(self, action: StartOperator) -> bool:
         """Ask the chosen worker whether it can take the replica (worker/capacity.py);

@@ -351,12 +351,15 @@ async def test_the_controller_asks_the_worker_first_and_a_refusal_starts_nothing
     raft.sm.groups[0].voters = ["w2", "w3"]  # one short; w1 (the fake) is asked to take it
     behaviour["refuse"] = "insufficient_disk"
     await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
+    assert 0 in server._busy_groups  # asked off the controller pass, the group held meanwhile
+    await _until(lambda: 0 not in server._busy_groups, "the assignment question to end")
     assert calls[-1] == {"assignment": {"group": 0, "bytes": 12345}}  # sized from the biggest voter's report
     assert not raft.sm.operators and server.soft.refused[(0, "w1")].reason == "insufficient_disk"
     assert 'shardgrid_meta_controller_decisions_total{kind="refused",reason="insufficient_disk"} 1.0' in \
         await (await client.get("/metrics")).text()
     behaviour["refuse"] = None
     await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
+    await _until(lambda: 0 not in server._busy_groups, "the assignment to start")
     op = raft.sm.operators[0]
     assert (op.kind, op.worker, op.by, op.step) == ("add", "w1", "fill", "add_learner")
     # Given up on: cancelled, and w1 refused for the group (reason "timeout").
