@@ -79,7 +79,10 @@ class _BatchingCollector:
                 CounterMetricFamily("shardgrid_worker_peer_messages", "replication messages sent to peers",
                                     self.sends.messages),
                 CounterMetricFamily("shardgrid_worker_peer_frames", "stream frames that carried them",
-                                    self.sends.frames)]
+                                    self.sends.frames),
+                CounterMetricFamily("shardgrid_worker_peer_unpackable", "replication messages dropped because "
+                                    "msgpack could not pack them (a bug; the log says which peer)",
+                                    self.sends.unpackable)]
 
 
 class WorkerNode:
