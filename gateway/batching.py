@@ -49,8 +49,7 @@ def shard_writes(ops: list[dict[str, Any]], idxs: list[int], request_id: str, gi
     writes: list[tuple[dict[str, Any], str]] = []
     owners: list[list[int]] = []
     if puts:
-        dumps = orjson.dumps
-        docs = [dumps(ops[i]["doc"]) for i in puts]
+        docs = [_doc_json(ops[i]["doc"], i) for i in puts]
         if any(len(d) > max_doc_bytes for d in docs):
             j = next(j for j, d in enumerate(docs) if len(d) > max_doc_bytes)
             raise ApiError("bad_request", f"writes[{puts[j]}]: the document is {len(docs[j])} bytes of JSON; "
@@ -63,6 +62,16 @@ def shard_writes(ops: list[dict[str, Any]], idxs: list[int], request_id: str, gi
         writes.append((ops[i], f"{request_id}#{i}"))
         owners.append([i])
     return ShardWrites(writes, owners)
+
+
+def _doc_json(doc: Any, i: int) -> bytes:
+    """Write i's doc as JSON; one that cannot be encoded is a 400 naming it
+    (raised before any shard's call leaves, so the batch changes nothing)
+    rather than a 500 for the whole request."""
+    try:
+        return orjson.dumps(doc)
+    except orjson.JSONEncodeError as exc:
+        raise ApiError("bad_request", f"writes[{i}]: the document cannot be encoded as JSON: {exc}") from None
 
 
 def spread_results(sw: ShardWrites, ops: list[dict[str, Any]], results: list[dict[str, Any]],

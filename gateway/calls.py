@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from shardgrid.wire import pack_frames, unpack_frame
+import structlog
+
+from shardgrid.wire import error_body, pack_frames, unpack_frame
 
 if TYPE_CHECKING:
     from gateway.forward import WorkerReply
@@ -53,9 +55,10 @@ class _Stream:
 class _Link:
     """The stream to one worker address, reopened when it breaks."""
 
-    def __init__(self, base: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, base: str, session: aiohttp.ClientSession, log: Any) -> None:
         self.url = base + CALLS_PATH
         self.session = session
+        self.log = log
         self.stream: _Stream | None = None
         self.opening: asyncio.Future[_Stream] | None = None
         self.ids = itertools.count(1)
@@ -127,9 +130,23 @@ class _Link:
                     fut.set_exception(ConnectionResetError("the stream to the worker closed"))
             return
         # send_bytes only waits when the socket's buffer is full; a task keeps ordering simple.
-        for frame in pack_frames(calls):
+        for frame in pack_frames(calls, on_error=lambda call, exc: self._unpackable(st, call, exc)):
             task = asyncio.ensure_future(st.ws.send_bytes(frame))
             task.add_done_callback(_ignore_failure)
+
+    def _unpackable(self, st: _Stream, call: list[Any], exc: Exception) -> None:
+        """A call msgpack cannot pack is answered 500 on its own and left out
+        of the frame: raising here would lose every call of this flush (and
+        leave their callers waiting out their deadlines). The gateway builds
+        call bodies from JSON it decoded, which always packs, so this is a
+        gateway bug, not the client's input."""
+        cid, op, gid = call[0], call[1], call[2]
+        self.log.error("worker_call_unpackable", worker=self.url, call=op, group=gid,
+                       error=f"{type(exc).__name__}: {exc}")
+        fut = st.pending.pop(cid, None)
+        if fut is not None and not fut.done():
+            fut.set_result((500, error_body("internal", "the gateway could not encode this call for the worker; "
+                                                        "see the gateway's log", shard=gid)))
 
     async def close(self) -> None:
         st = self.stream
@@ -152,8 +169,9 @@ def _ignore_failure(task: asyncio.Future[Any]) -> None:
 class WorkerCalls:
     """`call(target, op, gid, body, timeout)` -> WorkerReply; transport failures raise AttemptFailed."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession, log: Any = None) -> None:
         self.session = session
+        self.log = log if log is not None else structlog.get_logger()
         self._links: dict[str, _Link] = {}
 
     async def call(self, target: "Target", op: str, gid: int, body: dict[str, Any],
@@ -162,7 +180,7 @@ class WorkerCalls:
 
         link = self._links.get(target.base)
         if link is None:
-            link = self._links[target.base] = _Link(target.base, self.session)
+            link = self._links[target.base] = _Link(target.base, self.session, self.log)
         st = link.live()
         if st is None:
             # Opening the stream spends the call's budget: what is left after

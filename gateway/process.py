@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway.routes import Gateway, GatewayConfig
 from shardgrid.gctune import GATEWAY_YOUNG, start_gc_policy
 from shardgrid.log import setup_logging
+from shardgrid.serving import app_runner
 
 __all__ = ["GatewayConfig", "main", "serve"]
 
@@ -36,8 +37,7 @@ async def serve(cfg: GatewayConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     gateway = Gateway(cfg, log)
     # aiohttp's own access log is off: ours (--access-log) carries shard, leader and attempts.
-    runner = web.AppRunner(gateway.app(), access_log=None, handle_signals=False,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+    runner = app_runner(gateway.app(), shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096).start()

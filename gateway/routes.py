@@ -408,7 +408,7 @@ class Gateway:
         session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
         meta = MetaClient(list(self.cfg.meta), session=session)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
-        self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session), self.metrics,
+        self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session, self.log), self.metrics,
                                                              coalesce=self.cfg.coalesce))
         cache.start()
 

@@ -13,6 +13,7 @@ from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig
 from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
+from shardgrid.serving import app_runner
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ async def serve(cfg: MetaProcessConfig) -> None:
     raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password, loop)
     server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token), log)
     # Long-poll watches would hold a graceful shutdown for their whole timeout.
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = app_runner(server.app(), shutdown_timeout=1.0)
     await runner.setup()
     host, port = _split_hostport(cfg.me.http)
     await web.TCPSite(runner, host, port, reuse_address=True).start()

@@ -5,7 +5,7 @@ Every HTTP error anywhere in shardgrid is
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 import orjson
@@ -79,12 +79,34 @@ def unpackb(data: bytes) -> Any:
 FRAME_BYTES = 1 << 20
 
 
-def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES) -> Iterator[bytes]:
-    """`items` as frames of at most about `limit` bytes (a larger item gets a frame to itself)."""
+# What msgpack raises for a value it cannot pack: an unknown type
+# (TypeError), an int beyond 64 bits (OverflowError), nesting past its limit
+# (ValueError).
+PACK_ERRORS = (TypeError, OverflowError, ValueError)
+
+
+def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES,
+                on_error: Callable[[Any, Exception], Any] | None = None) -> Iterator[bytes]:
+    """`items` as frames of at most about `limit` bytes (a larger item gets a frame to itself).
+
+    An item msgpack cannot pack raises, unless `on_error` is given: then it
+    is called with the item and the error and returns what goes in the
+    item's place (None: nothing). A stream's items are independent answers
+    or messages, so one bad item must not stop its neighbours, nor the
+    stream's writer task.
+    """
     chunk: list[bytes] = []
     size = 0
     for item in items:
-        raw = packb(item)
+        try:
+            raw = packb(item)
+        except PACK_ERRORS as exc:
+            if on_error is None:
+                raise
+            instead = on_error(item, exc)
+            if instead is None:
+                continue
+            raw = packb(instead)  # the caller's stand-in is plain data; a failure here is a bug
         if chunk and size + len(raw) > limit:
             yield b"".join(chunk)
             chunk, size = [], 0
@@ -102,6 +124,23 @@ def unpack_frame(data: bytes) -> list[Any]:
         return list(unpacker)
     except (msgpack.UnpackException, msgpack.ExtraData) as exc:
         raise ValueError(f"malformed frame: {exc}") from None
+
+
+def unpack_frame_sized(data: bytes) -> list[tuple[Any, int]]:
+    """Like `unpack_frame`, with each item's encoded size in bytes: a
+    receiver bounds what one item may carry without encoding it again."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    out: list[tuple[Any, int]] = []
+    at = 0
+    try:
+        for item in unpacker:
+            end = unpacker.tell()
+            out.append((item, end - at))
+            at = end
+    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
+        raise ValueError(f"malformed frame: {exc}") from None
+    return out
 
 
 @web.middleware

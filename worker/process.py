@@ -28,6 +28,7 @@ from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
+from shardgrid.serving import app_runner
 from topology.model import Settings
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
@@ -79,7 +80,10 @@ class _BatchingCollector:
                 CounterMetricFamily("shardgrid_worker_peer_messages", "replication messages sent to peers",
                                     self.sends.messages),
                 CounterMetricFamily("shardgrid_worker_peer_frames", "stream frames that carried them",
-                                    self.sends.frames)]
+                                    self.sends.frames),
+                CounterMetricFamily("shardgrid_worker_peer_unpackable", "replication messages dropped because "
+                                    "msgpack could not pack them (a bug; the log says which peer)",
+                                    self.sends.unpackable)]
 
 
 class WorkerNode:
@@ -518,7 +522,7 @@ async def serve(cfg: WorkerConfig) -> None:
     # starves the loop of the GIL. Pay it before joining the cluster.
     _preload_torch(log)
     node = WorkerNode(cfg, log)
-    runner = web.AppRunner(WorkerApi(node).app(), access_log=None, handle_signals=False, shutdown_timeout=2.0)
+    runner = app_runner(WorkerApi(node).app(), shutdown_timeout=2.0)
     await runner.setup()
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True).start()

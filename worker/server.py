@@ -8,6 +8,7 @@ same encoding as the request. Errors use the one error shape of
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
-    pack_frames, packb, unpack_frame, unpackb
+    pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import decode_message
@@ -29,19 +30,53 @@ if TYPE_CHECKING:
     from worker.process import WorkerNode
 
 MSGPACK = "application/msgpack"
-MAX_BODY = 64 << 20
+MAX_BODY = 64 << 20  # a request body, and a message on a peer or call stream (max_msg_size)
+# What one write or write_batch may carry, encoded. Each becomes ONE log
+# entry, replicated as one message on a peer stream, and a receiver refuses
+# a message over MAX_BODY: an entry near that size could never reach a
+# follower and would wedge the group. A quarter leaves room for the Append
+# around it. The gateway's coalesced calls stay under this too
+# (gateway/forward.py MAX_CALL_BYTES).
+MAX_WRITE_BYTES = MAX_BODY // 4
+# Writes per write_batch: each is validated, tracked and answered on its
+# own, so the count bounds the work and memory of one call whatever its
+# bytes. The gateway sends at most forward.MAX_CALL_RECORDS (4096).
+MAX_BATCH_WRITES = 10_000
 DEFAULT_TIMEOUT_S = 5.0
+# A served wait is capped at MAX_WAIT_S; a deadline_ms beyond MAX_DEADLINE_MS
+# (an hour) is a caller's bug or a hostile value, not a long wait, and is
+# refused rather than silently capped.
+MAX_WAIT_S = 60.0
+MAX_DEADLINE_MS = 3_600_000
 NODE_KEY: web.AppKey["WorkerNode"] = web.AppKey("worker_node", object)  # type: ignore[arg-type]
 
 
 async def _body(request: web.Request) -> Any:
+    return (await _sized_body(request))[0]
+
+
+async def _sized_body(request: web.Request) -> tuple[Any, int]:
+    """The decoded body and its size in bytes as sent."""
     raw = await request.read()
     if not raw:
-        return {}
+        return {}, 0
     try:
-        return unpackb(raw) if request.content_type == MSGPACK else orjson.loads(raw)
+        return (unpackb(raw) if request.content_type == MSGPACK else orjson.loads(raw)), len(raw)
     except (ValueError, orjson.JSONDecodeError) as exc:
         raise ApiError("bad_request", f"malformed body: {exc}") from None
+
+
+async def _write_body(request: web.Request) -> tuple[Any, int]:
+    """A write's body: one whose declared length is over MAX_WRITE_BYTES is refused before it is read."""
+    if request.content_length is not None and request.content_length > MAX_WRITE_BYTES:
+        raise _too_large(request.content_length)
+    return await _sized_body(request)
+
+
+def _too_large(size: int) -> ApiError:
+    return ApiError("payload_too_large", f"a write or write_batch carries at most {MAX_WRITE_BYTES} bytes "
+                    f"(one log entry must fit a replication message); this one is {size}: split it",
+                    limit=MAX_WRITE_BYTES)
 
 
 def _answer(request: web.Request, data: Any, status: int = 200) -> web.Response:
@@ -51,10 +86,14 @@ def _answer(request: web.Request, data: Any, status: int = 200) -> web.Response:
 
 
 def _timeout(body: dict[str, Any]) -> float:
+    """The wait `deadline_ms` asks for, in seconds; checked before anything is
+    queued (a NaN once reached the group's timer after the write was queued)."""
     ms = body.get("deadline_ms", DEFAULT_TIMEOUT_S * 1000)
-    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or ms <= 0:
-        raise ApiError("bad_request", "deadline_ms must be a positive number")
-    return min(float(ms) / 1000, 60.0)
+    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) \
+            or not 0 < ms <= MAX_DEADLINE_MS:
+        raise ApiError("bad_request", f"deadline_ms must be a finite number of milliseconds above 0 and at most "
+                                      f"{MAX_DEADLINE_MS}, got {str(ms)[:40]}")
+    return min(float(ms) / 1000, MAX_WAIT_S)
 
 
 RID_RULE = "rid must be a non-empty string of at most 128 characters"
@@ -80,8 +119,9 @@ class CallResult:
 class _Outbox:
     """Answers for one call stream, written by one task: those ready together share a frame."""
 
-    def __init__(self, ws: web.WebSocketResponse) -> None:
+    def __init__(self, ws: web.WebSocketResponse, log: Any) -> None:
         self.ws = ws
+        self.log = log
         self.items: list[Any] = []
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._run())
@@ -97,10 +137,21 @@ class _Outbox:
             while self.items:
                 items, self.items = self.items, []
                 try:
-                    for frame in pack_frames(items):
+                    for frame in pack_frames(items, on_error=self._unpackable):
                         await self.ws.send_bytes(frame)
                 except (ConnectionError, RuntimeError):
                     return  # the gateway went away; its calls fail over on its side
+
+    def _unpackable(self, item: Any, exc: Exception) -> Any:
+        """The stand-in for an answer msgpack cannot pack: a 500 for that call
+        alone. Raising would end this task, and every later answer on the
+        stream would be lost with it."""
+        cid = item[0] if isinstance(item, list) and item else None
+        self.log.error("call_answer_unpackable", call_id=cid if isinstance(cid, int) else None,
+                       error=f"{type(exc).__name__}: {exc}")
+        if not isinstance(cid, int):
+            return None  # no call to answer: the gateway times it out
+        return [cid, 500, error_body("internal", "the answer could not be encoded; see the worker's log")]
 
     def close(self) -> None:
         self.task.cancel()
@@ -194,13 +245,16 @@ class WorkerApi:
     # -- data ops: one implementation for HTTP and for the call stream -------------
 
     async def write(self, request: web.Request) -> web.Response:
-        return self._respond(request, await self.do_write(self._group(request), await _body(request)))
+        shell = self._group(request)
+        return self._respond(request, await self.do_write(shell, *await _write_body(request)))
 
     async def write_batch(self, request: web.Request) -> web.Response:
-        return self._respond(request, await self.do_write_batch(self._group(request), await _body(request)))
+        shell = self._group(request)
+        return self._respond(request, await self.do_write_batch(shell, *await _write_body(request)))
 
     async def read(self, request: web.Request) -> web.Response:
-        return self._respond(request, await self.do_read(self._group(request), await _body(request)))
+        shell = self._group(request)
+        return self._respond(request, await self.do_read(shell, *await _sized_body(request)))
 
     def _respond(self, request: web.Request, res: "CallResult") -> web.Response:
         resp = _answer(request, res.body, status=res.status)
@@ -209,20 +263,27 @@ class WorkerApi:
                                  "x-served-by": self.node.id})
         return resp
 
-    async def do_write(self, shell: Any, body: Any) -> "CallResult":
+    # Each op validates the whole call before anything reaches the group:
+    # a refusal means nothing was queued, so nothing can apply. `size` is
+    # the call's encoded size in bytes.
+
+    async def do_write(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
+        if size > MAX_WRITE_BYTES:
+            raise _too_large(size)
         if not isinstance(body, dict) or not isinstance(body.get("op"), dict):
             raise ApiError("bad_request", "write needs {\"op\": {...}, \"ack\"?, \"rid\"?, \"deadline_ms\"?}")
         ack = self._ack(body)
         rid = body.get("rid")
         if not _rid_ok(rid):
             raise ApiError("bad_request", RID_RULE)
+        timeout = _timeout(body)
         try:
-            out = await shell.write(body["op"], ack, rid, _timeout(body))
+            out = await shell.write(body["op"], ack, rid, timeout)
         except BadOp as exc:
             raise ApiError("bad_request", exc.message, shard=shell.gid) from None
         return self._outcome(shell, out)
 
-    async def do_write_batch(self, shell: Any, body: Any) -> "CallResult":
+    async def do_write_batch(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
         """Many writes to one group in one round trip; one result per write, in order.
 
         Each write is validated and committed on its own (a bad one does not
@@ -232,6 +293,11 @@ class WorkerApi:
         writes = body.get("writes") if isinstance(body, dict) else None
         if not isinstance(writes, list) or not writes:
             raise ApiError("bad_request", "write_batch needs {\"writes\": [{\"op\": {...}, \"rid\"?}, ...]}")
+        if len(writes) > MAX_BATCH_WRITES:
+            raise ApiError("payload_too_large", f"a write_batch carries at most {MAX_BATCH_WRITES} writes, "
+                           f"this one has {len(writes)}: split it", limit=MAX_BATCH_WRITES)
+        if size > MAX_WRITE_BYTES:
+            raise _too_large(size)
         ack = self._ack(body)
         timeout = _timeout(body)
         results: list[Any] = [None] * len(writes)
@@ -253,7 +319,7 @@ class WorkerApi:
                 results[i] = self._error(shell, out)
         return CallResult(200, {"results": results})
 
-    async def do_read(self, shell: Any, body: Any) -> "CallResult":
+    async def do_read(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
         if not isinstance(body, dict) or not isinstance(body.get("query"), dict):
             raise ApiError("bad_request", "read needs {\"query\": {...}, \"consistency\"?, \"min_seq\"?}")
         consistency = body.get("consistency", "strong")
@@ -262,7 +328,8 @@ class WorkerApi:
         min_seq = body.get("min_seq", 0)
         if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 0:
             raise ApiError("bad_request", "min_seq must be a non-negative integer")
-        out = await shell.read(body["query"], consistency, min_seq, _timeout(body))
+        timeout = _timeout(body)
+        out = await shell.read(body["query"], consistency, min_seq, timeout)
         return self._outcome(shell, out)
 
     def _ack(self, body: dict[str, Any]) -> str:
@@ -295,19 +362,19 @@ class WorkerApi:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
         await ws.prepare(request)
         self._streams.add(ws)
-        out = _Outbox(ws)
+        out = _Outbox(ws, self.node.log)
         tasks: set[asyncio.Task[None]] = set()
         try:
             async for frame in ws:
                 if frame.type != WSMsgType.BINARY:
                     continue
                 try:
-                    batch = unpack_frame(frame.data)
+                    batch = unpack_frame_sized(frame.data)
                 except ValueError as exc:
                     self.node.log.warning("call_frame_malformed", error=str(exc))
                     break
-                for call in batch:
-                    task = asyncio.create_task(self._call(call, out))
+                for call, size in batch:
+                    task = asyncio.create_task(self._call(call, size, out))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
         finally:
@@ -317,7 +384,7 @@ class WorkerApi:
             out.close()
         return ws
 
-    async def _call(self, call: Any, out: "_Outbox") -> None:
+    async def _call(self, call: Any, size: int, out: "_Outbox") -> None:
         try:
             cid, op, gid, body = call
         except (TypeError, ValueError):
@@ -331,7 +398,7 @@ class WorkerApi:
             if shell is None:
                 raise ApiError("not_leader", f"worker {self.node.id} hosts no replica of group {gid}", shard=gid,
                                leader=self.node.leader_of(gid) if isinstance(gid, int) else None)
-            res = await fn(shell, body)
+            res = await fn(shell, body, size)
             out.put([cid, res.status, res.body])
         except ApiError as err:
             out.put([cid, err.status, err.body()])

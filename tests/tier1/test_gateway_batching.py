@@ -45,6 +45,13 @@ def test_a_doc_over_the_limit_is_refused_naming_its_index() -> None:
     assert "writes[2]: the document is 8 bytes of JSON; the limit is 7" in str(ei.value)
 
 
+def test_a_doc_that_cannot_be_encoded_is_a_400_naming_its_index() -> None:
+    ops = [put("a", {"x": 1}), put("b", {"big": 1 << 70}), put("c", 3)]
+    with pytest.raises(ApiError) as ei:
+        shard_writes(ops, [0, 1, 2], "R", 0, 1 << 20)
+    assert ei.value.code == "bad_request" and "writes[1]: the document cannot be encoded" in str(ei.value)
+
+
 def ok(result: Any, seq: int = 9) -> dict[str, Any]:
     return {"shard": 7, "seq": seq, "term": 2, "served_by": "w1", "result": result}
 

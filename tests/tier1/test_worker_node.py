@@ -72,6 +72,8 @@ async def test_the_round_counters_on_metrics_are_the_ones_the_benchmark_reads(tm
         assert parse_counters(text) == {"passes": 7, "events": 19, "peer_messages": 11, "peer_frames": 4,
                                         "fsyncs": 1}
         assert set(parse_counters(text)) == set(COUNTERS)
+        node.transport.stats.unpackable = 2
+        assert "shardgrid_worker_peer_unpackable_total 2.0" in generate_latest(node.metrics.registry).decode()
     finally:
         await node.meta.close()
         await node.transport.close()

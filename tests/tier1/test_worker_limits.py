@@ -1,0 +1,184 @@
+"""What a worker accepts on its data routes and call stream (worker/server.py):
+hostile or oversized bodies are refused before anything reaches the group,
+and an answer that cannot be encoded fails only its own call."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiohttp
+import msgpack
+import pytest
+import structlog
+from aiohttp.test_utils import TestClient
+
+from shardgrid.wire import pack_frames, packb, unpack_frame
+from worker.process import WorkerConfig, WorkerNode
+from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+@dataclass
+class _Out:
+    ok: bool = True
+    seq: int = 1
+    term: int = 1
+    result: Any = None
+    error_code: str | None = None
+    message: str | None = None
+    leader: str | None = None
+    maybe_applied: bool = False
+
+
+@dataclass
+class _Shell:
+    """A group as the data routes see one; records what was queued to it."""
+
+    gid: int = 0
+    queued: list[tuple[str, Any]] = field(default_factory=list)
+    result: Any = None
+
+    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> _Out:
+        self.queued.append(("write", op))
+        return _Out(result=self.result)
+
+    async def write_many(self, writes: list[tuple[Any, str | None]], ack: str, timeout_s: float) -> list[_Out]:
+        self.queued.append(("write_many", writes))
+        return [_Out(seq=i + 1) for i in range(len(writes))]
+
+    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> _Out:
+        self.queued.append(("read", query))
+        return _Out(result=self.result)
+
+
+@dataclass
+class Worker:
+    node: WorkerNode
+    client: TestClient
+    shell: _Shell
+
+
+@pytest.fixture
+async def worker(tmp_path: Path, aiohttp_client: Any) -> AsyncIterator[Worker]:
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path / "w1"),
+                      structlog.get_logger())
+    shell = _Shell()
+    node.groups[0] = shell  # type: ignore[assignment]
+    try:
+        yield Worker(node, await aiohttp_client(WorkerApi(node).app()), shell)
+    finally:
+        await node.meta.close()
+        await node.transport.close()
+
+
+async def _post(w: Worker, route: str, body: Any, packed: bool = True) -> tuple[int, Any]:
+    if packed:
+        resp = await w.client.post(f"/v1/groups/0/{route}", data=packb(body), headers=MSGPACK)
+    else:
+        resp = await w.client.post(f"/v1/groups/0/{route}", json=body)
+    # Errors are JSON whatever the request's encoding (shardgrid.wire.error_middleware).
+    if resp.content_type == MSGPACK["Content-Type"]:
+        return resp.status, msgpack.unpackb(await resp.read(), raw=False)
+    return resp.status, await resp.json()
+
+
+OP = {"kind": "put", "id": "a", "doc": {}}
+BAD_DEADLINES = [float("nan"), float("inf"), float("-inf"), -5, 0, MAX_DEADLINE_MS + 1, 1e300, True, "100"]
+
+
+@pytest.mark.parametrize("deadline", BAD_DEADLINES, ids=repr)
+async def test_a_bad_deadline_is_a_400_and_nothing_is_queued(worker: Worker, deadline: Any) -> None:
+    for route, body in [("write", {"op": OP}), ("write_batch", {"writes": [{"op": OP}]}),
+                        ("read", {"query": {"kind": "get", "id": "a"}})]:
+        status, answer = await _post(worker, route, {**body, "deadline_ms": deadline})
+        assert status == 400, (route, answer)
+        assert answer["error"]["code"] == "bad_request" and "deadline_ms" in answer["error"]["message"]
+    assert worker.shell.queued == []
+
+
+async def test_a_deadline_within_the_limit_is_served(worker: Worker) -> None:
+    status, _ = await _post(worker, "write", {"op": OP, "deadline_ms": MAX_DEADLINE_MS})
+    assert status == 200 and worker.shell.queued == [("write", OP)]
+
+
+@pytest.mark.parametrize("writes", [None, [], {"op": OP}, "x", 5])
+async def test_a_write_batch_without_a_list_of_writes_is_a_400(worker: Worker, writes: Any) -> None:
+    status, answer = await _post(worker, "write_batch", {"writes": writes})
+    assert status == 400 and answer["error"]["code"] == "bad_request", answer
+    assert worker.shell.queued == []
+
+
+async def test_a_write_batch_over_the_count_limit_is_a_413_naming_it(worker: Worker) -> None:
+    status, answer = await _post(worker, "write_batch", {"writes": [{"op": {}}] * (MAX_BATCH_WRITES + 1)})
+    assert status == 413, answer
+    assert answer["error"]["code"] == "payload_too_large" and answer["error"]["limit"] == MAX_BATCH_WRITES
+    assert str(MAX_BATCH_WRITES) in answer["error"]["message"]
+    assert worker.shell.queued == []
+    status, answer = await _post(worker, "write_batch", {"writes": [{"op": {}}] * MAX_BATCH_WRITES})
+    assert status == 200 and len(answer["results"]) == MAX_BATCH_WRITES
+
+
+def _big_doc(nbytes: int) -> dict[str, Any]:
+    return {"kind": "put", "id": "a", "doc": {"pad": "x" * nbytes}}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["msgpack", "json"])
+async def test_writes_over_the_byte_limit_are_a_413_naming_it(worker: Worker, packed: bool) -> None:
+    big = _big_doc(MAX_WRITE_BYTES)
+    for route, body in [("write", {"op": big}), ("write_batch", {"writes": [{"op": big}]})]:
+        status, answer = await _post(worker, route, body, packed)
+        assert status == 413, (route, answer)
+        assert answer["error"]["code"] == "payload_too_large" and answer["error"]["limit"] == MAX_WRITE_BYTES
+        assert str(MAX_WRITE_BYTES) in answer["error"]["message"]
+    # Many writes each well under the limit, together over it: one entry too.
+    many = [{"op": _big_doc(MAX_WRITE_BYTES // 8)} for _ in range(9)]
+    status, answer = await _post(worker, "write_batch", {"writes": many}, packed)
+    assert status == 413, answer
+    assert worker.shell.queued == []
+    status, _ = await _post(worker, "write", {"op": _big_doc(MAX_WRITE_BYTES // 2)}, packed)
+    assert status == 200
+
+
+async def _calls(w: Worker, calls: list[Any], n: int) -> dict[int, tuple[int, Any]]:
+    """Send `calls` in one frame on the call stream; the first `n` answers by call id."""
+    ws = await w.client.ws_connect(CALLS_PATH, max_msg_size=0)
+    try:
+        await ws.send_bytes(b"".join(pack_frames(calls, limit=1 << 30)))
+        answers: dict[int, tuple[int, Any]] = {}
+        while len(answers) < n:
+            msg = await asyncio.wait_for(ws.receive(), 10)
+            assert msg.type == aiohttp.WSMsgType.BINARY, msg
+            for cid, status, body in unpack_frame(msg.data):
+                answers[cid] = (status, body)
+        return answers
+    finally:
+        await ws.close()
+
+
+async def test_the_call_stream_applies_the_same_limits_per_call(worker: Worker) -> None:
+    big = _big_doc(MAX_WRITE_BYTES)
+    answers = await _calls(worker, [
+        [1, "write", 0, {"op": OP, "deadline_ms": float("nan")}],
+        [2, "write_batch", 0, {"writes": [{"op": big}]}],
+        [3, "write_batch", 0, {"writes": [{"op": {}}] * (MAX_BATCH_WRITES + 1)}],
+        [4, "read", 0, {"query": {}, "deadline_ms": -1}],
+        [5, "write", 0, {"op": big}],
+        [6, "write", 0, {"op": OP}],  # a neighbour in the same frame is served
+    ], 6)
+    assert {cid: status for cid, (status, _) in answers.items()} == {1: 400, 2: 413, 3: 413, 4: 400, 5: 413, 6: 200}
+    assert answers[2][1]["error"]["limit"] == MAX_WRITE_BYTES
+    assert worker.shell.queued == [("write", OP)]
+
+
+async def test_an_answer_that_cannot_be_encoded_fails_only_its_call(worker: Worker) -> None:
+    worker.shell.result = {1, 2}  # a set: msgpack cannot pack it
+    answers = await _calls(worker, [[1, "write", 0, {"op": OP}], [2, "write_batch", 0, {"writes": [{"op": OP}]}]], 2)
+    assert answers[1][0] == 500 and answers[1][1]["error"]["code"] == "internal"
+    assert answers[2][0] == 200
+    # The stream's writer is still alive: later answers still come.
+    worker.shell.result = None
+    again = await _calls(worker, [[3, "write", 0, {"op": OP}]], 1)
+    assert again[3][0] == 200
