@@ -427,3 +427,19 @@ async def test_hot_relief_prefers_then_transfers_and_counts_the_decision(meta_an
         assert 'shardgrid_meta_controller_decisions_total{kind="hot_leader",reason="latency"} 1.0' in metrics
     finally:
         beating.cancel()
+
+
+BAD_AUTH = [b"Authorization: Bearer \xff\xfe", b"Authorization: Bearer s3cret-admin\xff", b"Authorization: ",
+            b"Authorization: s3cret-admin", b"Authorization: Bearer  s3cret-admin", b"Authorization: Basic eDp5",
+            b"Authorization: Bearer \xc3\xa9"]
+
+
+@pytest.mark.parametrize("header", BAD_AUTH)
+async def test_a_malformed_authorization_header_is_401_never_500(api: TestClient, header: bytes) -> None:
+    from tests.support.rawhttp import raw_status
+
+    status, body = await raw_status(api.host, api.port, "PUT", "/v1/topology", [header], EXAMPLE.encode())
+    assert status == 401 and b'"unauthorized"' in body
+    assert (await api.get("/v1/topology")).status == 404
+    status, _ = await raw_status(api.host, api.port, "POST", "/v1/workers/w1/gone", [header])
+    assert status == 401
