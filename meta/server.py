@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -64,7 +64,7 @@ def _now_ms() -> int:
 
 @dataclass
 class MetaServerConfig:
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     controller: bool = True
 
 
