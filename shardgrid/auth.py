@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def write_secret(path: Path, value: str) -> None:
     moment, never someone else's file reused) and renamed over `path`, so a
     reader sees the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A random name: a temporary a crashed writer left behind never blocks O_EXCL.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         try:
@@ -73,7 +75,7 @@ def bearer_token(header: str | None) -> str | None:
     hands undecodable bytes over as lone surrogates, which `.encode()` refuses."""
     if header is None:
         return None
-    if not header[:len(_SCHEME)].lower() == _SCHEME:
+    if header[:len(_SCHEME)].lower() != _SCHEME:
         raise ApiError("unauthorized", "the Authorization header must be `Bearer TOKEN`")
     token = header[len(_SCHEME):]
     if not token or token != token.strip():
