@@ -48,7 +48,7 @@ import re
 import struct
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
@@ -60,7 +60,7 @@ from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from meta.client import MetaClient, MetaUnreachable
-from shardgrid.auth import check_bearer
+from shardgrid.auth import bearer_token, check_bearer
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
@@ -85,7 +85,7 @@ TRACE_KEY: web.RequestKey[Trace] = web.RequestKey("gateway_trace", Trace)
 class GatewayConfig:
     listen: str = "127.0.0.1:8080"
     meta: tuple[str, ...] = ()
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     access_log: bool = False  # one info line per request: an operator opt-in (CPU on every request)
     max_body_bytes: int = 1 << 20
     coalesce: bool = True  # queue single writes behind an in-flight call to the group (see forward.py)
@@ -644,9 +644,12 @@ class Gateway:
         """Check the admin token (when this gateway has one); return the client's bearer token."""
         header = request.headers.get("Authorization")
         check_bearer(header, self.cfg.admin_token)
-        if header and header.startswith("Bearer "):
-            return header[len("Bearer "):].strip() or None
-        return None
+        try:
+            return bearer_token(header)
+        except ApiError:
+            # No token here to check it against: forward nothing and let meta
+            # decide (a malformed header proves nothing to meta either).
+            return None
 
     @staticmethod
     def _gid(request: web.Request) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
@@ -21,8 +21,9 @@ class MetaProcessConfig:
     me: RaftPeer
     peers: list[RaftPeer]
     data_dir: Path
-    password: str
-    admin_token: str | None
+    # Never in a repr: a config that reaches a log line or a traceback must not carry them.
+    password: str = field(repr=False)
+    admin_token: str | None = field(repr=False)
 
 
 def parse_peers(spec: str) -> list[RaftPeer]:

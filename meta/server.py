@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -29,7 +29,7 @@ from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
                          repair)
 from meta.state import GroupRecord, MetaStateMachine
-from shardgrid.auth import check_bearer
+from shardgrid.auth import bearer_ok, check_bearer
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
@@ -64,7 +64,7 @@ def _now_ms() -> int:
 
 @dataclass
 class MetaServerConfig:
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     controller: bool = True
 
 
@@ -497,11 +497,44 @@ class MetaServer:
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:
                 raise ApiError("bad_request", f"{key} must be a whole number of bytes (0 to {MAX_BYTES})")
             capacity[key] = value
+        known = self.raft.sm.workers.get(wid)
+        allow_repoint = None
+        if known is not None and known.addr != addr:
+            self._admit_repoint(request, wid, known.addr, addr)
+            allow_repoint = known.addr
+        # allow_repoint makes the check above a compare-and-set: an address that
+        # changed between this read and the commit is refused there, not overwritten.
         result = await self._submit({"op": "register_worker", "id": wid, "addr": addr, "zone": zone,
                                      "ram_bytes": capacity["available_ram"],
-                                     "disk_bytes": capacity["available_disk"]})
+                                     "disk_bytes": capacity["available_disk"],
+                                     "allow_repoint": allow_repoint})
         self._raise_failed(result)
         return json_response(result)
+
+    def _admit_repoint(self, request: web.Request, wid: str, old: str, new: str) -> None:
+        """May this registration move a known worker id from `old` to `new`?
+
+        Client traffic, replication and snapshot downloads follow a worker's
+        address, so moving it is an operator's act: it needs the admin token.
+        A meta without an admin token is open to anyone anyway; it allows the
+        move, as before, with a warning. Either way a worker heard within the
+        lease is not moved: two processes claim one id, and the live one keeps it."""
+        if not bearer_ok(request.headers.get("Authorization"), self.config.admin_token):
+            raise ApiError("unauthorized",
+                           f"worker {wid} is registered at {old}: moving it to {new} needs the admin token; "
+                           f"if it moved on purpose, put its new address in the topology (topoctl apply)",
+                           registered_addr=old)
+        soft = self._require_leader()  # liveness is known where the heartbeats are
+        now = _now_ms()
+        if heard_live(soft, wid, now, self._lease_ms()):
+            seen = soft.workers[wid]
+            raise ApiError("conflict",
+                           f"worker {wid} is live at {old} (heard {now - seen.last_seen_ms} ms ago): "
+                           f"another process claims its id from {new}; stop one of them "
+                           f"(a stopped worker may move once it is silent for a lease)",
+                           registered_addr=old)
+        self.log.warning("worker_repointed", worker=wid, old_addr=old, new_addr=new, peer=request.remote,
+                         authenticated=self.config.admin_token is not None)
 
     async def worker_gone(self, request: web.Request) -> web.Response:
         """An operator says the worker will not come back: repair replaces its

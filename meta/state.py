@@ -197,6 +197,13 @@ class MetaStateMachine:
             return ok(state="available")
         if (rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes) == (addr, zone, ram, disk):
             return ok(changed=False, state=rec.state)
+        # The server admitted a move from one address only ("allow_repoint":
+        # that address; None: none). A command without the key predates the
+        # rule and is replayed as it was applied then: any move.
+        allowed = cmd.get("allow_repoint", rec.addr)
+        if rec.addr != addr and allowed != rec.addr:
+            return fail("conflict", f"worker {wid} is registered at {rec.addr}: moving it to {addr} "
+                                    "was not admitted (re-register to have it checked)", registered_addr=rec.addr)
         rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes = addr, zone, ram, disk
         return ok(state=rec.state)
 

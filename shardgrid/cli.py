@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardgrid.auth import read_secret
+from shardgrid.auth import SecretFileError, read_secret
 
 
 def _cmd_meta(args: argparse.Namespace) -> int:
@@ -154,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except SecretFileError as exc:
+        # A configuration error with its fix in the message, not a traceback.
+        sys.stderr.write(f"shardgrid {args.command}: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import aiohttp
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
+from shardgrid.auth import write_secret
 from shardgrid.devcontrol import DevActions, DevControl, DevControlError, exit_text
 from shardgrid.procs import Child, stop_all
 from topology.loader import load_topology
@@ -69,8 +70,10 @@ def _say(line: str) -> None:
 
 def ensure_secret(path: Path) -> Path:
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(32) + "\n", encoding="utf-8")
+        write_secret(path, secrets.token_hex(32))
+    elif path.stat().st_mode & 0o077:
+        # Dev generated this file itself (an older version wrote it, then
+        # chmod'ed it): tighten it rather than have meta refuse it.
         path.chmod(0o600)
     return path
 

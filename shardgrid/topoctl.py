@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.auth import read_secret
+from shardgrid.auth import SecretFileError, read_secret
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
@@ -490,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     except MetaUnreachable as exc:
         _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
         return EXIT_UNREACHABLE
+    except SecretFileError as exc:
+        _err(f"topoctl: {exc}")
+        return EXIT_REJECTED
     except MetaError as exc:
         _err(f"topoctl: {exc.code}: {exc.message}")
         for e in exc.body.get("errors", []) if isinstance(exc.body, dict) else []:

@@ -43,6 +43,10 @@ from worker.wal import WalError
 
 # How often the bytes each hosted group holds on disk are measured (a walk of its directory).
 SIZE_EVERY_S = 10.0
+# Registration retries: meta unreachable or failing is retried at a steady pace;
+# a refusal (an operator must act) backs off up to the cap.
+REGISTER_RETRY_S = 0.5
+REGISTER_REFUSED_MAX_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,7 @@ class WorkerNode:
     # -- meta --------------------------------------------------------------------
 
     async def _register(self) -> None:
+        refused_backoff = REGISTER_RETRY_S
         while not self.registered:
             try:
                 await self.meta.register(self.id, self.cfg.advertise, self.cfg.zone,
@@ -191,9 +196,22 @@ class WorkerNode:
                 self.registered = True
                 self.log.info("registered", advertise=self.cfg.advertise, available_ram=self.cfg.available_ram,
                               available_disk=self.cfg.available_disk)
-            except (MetaError, MetaUnreachable) as exc:
+            except MetaError as exc:
+                if exc.status >= 500:
+                    self.log.warning("register_failed", error=str(exc))
+                    await asyncio.sleep(REGISTER_RETRY_S)
+                    continue
+                # Meta said no (e.g. this id is registered at another address):
+                # an operator has to act, so say why and keep asking, ever more
+                # slowly, rather than exit and lose the answer in a restart loop.
+                self.log.error("register_refused", code=exc.code, reason=exc.message, advertise=self.cfg.advertise,
+                               registered_addr=exc.body.get("registered_addr"),
+                               retry_in_s=refused_backoff)
+                await asyncio.sleep(refused_backoff)
+                refused_backoff = min(refused_backoff * 2, REGISTER_REFUSED_MAX_S)
+            except MetaUnreachable as exc:
                 self.log.warning("register_failed", error=str(exc))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(REGISTER_RETRY_S)
         # Heartbeat before any group opens. Otherwise a slow starter reported
         # its first group ready before meta leader had heard from it, looked
         # silent (known since the topology was applied) and lost that group

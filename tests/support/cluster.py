@@ -21,6 +21,7 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
+from shardgrid.auth import write_secret
 from shardgrid.procs import Child, stop_all
 
 
@@ -101,7 +102,7 @@ class Cluster:
         workers = [(f"w{i + 1}", f"127.0.0.1:{ports[2 * n_meta + i]}", zones[i % 3]) for i in range(n_workers)]
         gateways = [f"127.0.0.1:{p}" for p in ports[2 * n_meta + n_workers:]]
         root.mkdir(parents=True, exist_ok=True)
-        (root / "cluster.secret").write_text("tier3-test-secret\n")
+        write_secret(root / "cluster.secret", "tier3-test-secret")
         return cls(root, meta, workers, gateways=gateways)
 
     # -- topology ------------------------------------------------------------------

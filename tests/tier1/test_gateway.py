@@ -797,3 +797,22 @@ async def test_no_access_log_means_no_per_request_info_lines(aiohttp_server: Any
         assert (await client.put(f"/items/k{i}", data=b"1")).status == 200
         assert (await client.get(f"/items/k{i}")).status == 200
     assert [ln for ln in log.lines[before:] if ln[0] != "debug"] == []
+
+
+async def test_a_malformed_authorization_header_is_401_never_500(aiohttp_server: Any, aiohttp_client: Any) -> None:
+    from tests.support.rawhttp import raw_status
+
+    f = await make_fakes(aiohttp_server, shards=2, wids=("w1", "w2"))
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr], admin_token="tok")
+    for header in (b"Authorization: Bearer \xff\xfe", b"Authorization: Bearer tok\xff", b"Authorization: ",
+                   b"Authorization: tok", b"Authorization: Bearer  tok", b"Authorization: Bearer \xc3\xa9"):
+        for method, path in (("GET", "/cluster/status"), ("POST", "/cluster/shards/0/transfer")):
+            status, body = await raw_status(client.host, client.port, method, path, [header], b'{"to": "w1"}')
+            assert status == 401 and b'"unauthorized"' in body, (header, path, status, body)
+    assert f.meta.verbs == []
+    # A gateway without a token checks nothing and forwards no malformed token: meta decides.
+    open_client, _ = await start_gateway(aiohttp_client, [f.meta_addr])
+    f.meta.verb_answer = (202, {"accepted": True})
+    status, _ = await raw_status(open_client.host, open_client.port, "POST", "/cluster/shards/0/transfer",
+                                 [b"Authorization: Bearer \xff\xfe"], b'{"to": "w1"}')
+    assert status == 202 and f.meta.verbs == [("POST", "/v1/groups/0/transfer", b'{"to": "w1"}', None)]

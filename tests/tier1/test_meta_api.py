@@ -430,3 +430,83 @@ async def test_hot_relief_prefers_then_transfers_and_counts_the_decision(meta_an
         assert 'shardgrid_meta_controller_decisions_total{kind="hot_leader",reason="latency"} 1.0' in metrics
     finally:
         beating.cancel()
+
+
+BAD_AUTH = [b"Authorization: Bearer \xff\xfe", b"Authorization: Bearer s3cret-admin\xff", b"Authorization: ",
+            b"Authorization: s3cret-admin", b"Authorization: Bearer  s3cret-admin", b"Authorization: Basic eDp5",
+            b"Authorization: Bearer \xc3\xa9"]
+
+
+@pytest.mark.parametrize("header", BAD_AUTH)
+async def test_a_malformed_authorization_header_is_401_never_500(api: TestClient, header: bytes) -> None:
+    from tests.support.rawhttp import raw_status
+
+    status, body = await raw_status(api.host, api.port, "PUT", "/v1/topology", [header], EXAMPLE.encode())
+    assert status == 401 and b'"unauthorized"' in body
+    assert (await api.get("/v1/topology")).status == 404
+    status, _ = await raw_status(api.host, api.port, "POST", "/v1/workers/w1/gone", [header])
+    assert status == 401
+
+
+async def _addr(client: TestClient, wid: str) -> str:
+    view = await (await client.get("/v1/cluster")).json()
+    return str(view["workers"][wid]["addr"])
+
+
+async def _register(client: TestClient, wid: str, addr: str, **kw: Any) -> tuple[int, dict[str, Any]]:
+    resp = await client.post("/v1/workers/register", json={"id": wid, "addr": addr}, **kw)
+    return resp.status, await resp.json()
+
+
+async def test_re_pointing_a_registered_worker_needs_the_admin_token(api: TestClient) -> None:
+    assert (await _register(api, "w7", "127.0.0.1:9"))[0] == 200
+    # A restart at the same address (new capacity, say) re-registers freely.
+    status, body = await _register(api, "w7", "127.0.0.1:9")
+    assert status == 200 and body["changed"] is False
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer"}):
+        status, body = await _register(api, "w7", "127.0.0.1:99", headers=headers)
+        assert status == 401 and body["error"]["code"] == "unauthorized", (headers, body)
+        assert "registered at 127.0.0.1:9" in body["error"]["message"]
+        assert body["error"]["registered_addr"] == "127.0.0.1:9"
+    assert await _addr(api, "w7") == "127.0.0.1:9"
+    status, _ = await _register(api, "w7", "127.0.0.1:99", headers=AUTH)
+    assert status == 200 and await _addr(api, "w7") == "127.0.0.1:99"
+    # A live worker is not moved, token or not: two processes claim one id.
+    assert (await api.post("/v1/workers/w7/heartbeat", json={"groups": {}})).status == 200
+    status, body = await _register(api, "w7", "127.0.0.1:100", headers=AUTH)
+    assert status == 409 and body["error"]["code"] == "conflict" and "w7 is live" in body["error"]["message"]
+    assert await _addr(api, "w7") == "127.0.0.1:99"
+    # ... while the live one itself re-registers at its own address freely.
+    assert (await _register(api, "w7", "127.0.0.1:99"))[0] == 200
+
+
+async def test_a_topology_declared_address_is_known_too(api: TestClient) -> None:
+    assert (await put(api, EXAMPLE)).status == 200
+    assert await _addr(api, "w1") == "127.0.0.1:7201"
+    status, body = await _register(api, "w1", "10.9.9.9:7201")
+    assert status == 401 and await _addr(api, "w1") == "127.0.0.1:7201"
+    assert (await _register(api, "w1", "127.0.0.1:7201"))[0] == 200
+    assert (await _register(api, "w9", "10.9.9.9:7209"))[0] == 200  # a new id needs nothing
+
+
+async def test_without_an_admin_token_a_silent_worker_may_move_a_live_one_may_not(
+        tmp_path: Path, aiohttp_client: Any) -> None:
+    import structlog.testing
+
+    raft, server = _single_meta(tmp_path, MetaServerConfig())
+    try:
+        client = await aiohttp_client(server.app())
+        await _until(raft.is_leader, "the single meta node to lead")
+        assert (await _register(client, "w7", "127.0.0.1:9"))[0] == 200
+        with structlog.testing.capture_logs() as logs:
+            assert (await _register(client, "w7", "127.0.0.1:99"))[0] == 200
+        assert await _addr(client, "w7") == "127.0.0.1:99"
+        moved = [e for e in logs if e["event"] == "worker_repointed"]
+        assert moved and moved[0]["log_level"] == "warning" and moved[0]["authenticated"] is False
+        assert (moved[0]["old_addr"], moved[0]["new_addr"]) == ("127.0.0.1:9", "127.0.0.1:99")
+        assert (await client.post("/v1/workers/w7/heartbeat", json={"groups": {}})).status == 200
+        status, body = await _register(client, "w7", "127.0.0.1:100")
+        assert status == 409 and "another process claims its id from 127.0.0.1:100" in body["error"]["message"]
+        assert await _addr(client, "w7") == "127.0.0.1:99"
+    finally:
+        raft.close()

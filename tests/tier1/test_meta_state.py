@@ -212,3 +212,17 @@ def test_automatic_placement_is_never_reasserted(sm: MetaStateMachine) -> None:
     res = sm.apply({"op": "put_topology", "text": auto, "topology": load_topology(auto).to_dict(),
                     "expect_revision": 2, "reassert": True})
     assert res["changed"] is False and sm.groups[1].desired == ("w1", "w2", "w4")
+
+
+def test_register_moves_a_worker_only_from_the_address_the_server_admitted(sm: MetaStateMachine) -> None:
+    base = {"op": "register_worker", "id": "w4", "zone": "d"}
+    assert sm.apply({**base, "addr": "127.0.0.1:7204", "allow_repoint": None})["ok"]
+    refused = sm.apply({**base, "addr": "127.0.0.1:9999", "allow_repoint": None})
+    assert refused["code"] == "conflict" and refused["registered_addr"] == "127.0.0.1:7204"
+    # Admitted from another address than the one now registered: it changed meanwhile.
+    assert sm.apply({**base, "addr": "127.0.0.1:9999", "allow_repoint": "127.0.0.1:1"})["code"] == "conflict"
+    assert sm.workers["w4"].addr == "127.0.0.1:7204"
+    assert sm.apply({**base, "addr": "127.0.0.1:9999", "allow_repoint": "127.0.0.1:7204"})["ok"]
+    assert sm.workers["w4"].addr == "127.0.0.1:9999"
+    # A command logged before the rule (no key) replays as it was applied then.
+    assert sm.apply({**base, "addr": "127.0.0.1:7204"})["ok"] and sm.workers["w4"].addr == "127.0.0.1:7204"

@@ -125,3 +125,39 @@ async def test_check_quorum_gauges(tmp_path: Path) -> None:
     finally:
         await node.meta.close()
         await node.transport.close()
+
+
+async def test_a_refused_registration_is_logged_with_its_reason_and_retried_with_backoff(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    import structlog.testing
+
+    import worker.process
+    from meta.client import MetaError
+
+    monkeypatch.setattr(worker.process, "REGISTER_RETRY_S", 0.01)
+    monkeypatch.setattr(worker.process, "REGISTER_REFUSED_MAX_S", 0.03)
+    node, fake = await _with_fake_meta(tmp_path)
+    answers: list[Exception | None] = [
+        MetaError(409, "conflict", "worker w1 is live at 127.0.0.1:9", {"registered_addr": "127.0.0.1:9"}),
+        MetaError(401, "unauthorized", "moving it needs the admin token", {"registered_addr": "127.0.0.1:9"}),
+        MetaError(409, "conflict", "still live", {}), MetaError(409, "conflict", "still live", {}), None]
+
+    async def register(wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
+        fake.calls.append("register")
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+        return {"ok": True}
+
+    fake.register = register  # type: ignore[method-assign]
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await asyncio.wait_for(node._register(), 5)
+        assert node.registered and fake.calls == ["register"] * 5 + ["heartbeat"]
+        refused = [e for e in logs if e["event"] == "register_refused"]
+        assert [(e["code"], e["retry_in_s"]) for e in refused] == [
+            ("conflict", 0.01), ("unauthorized", 0.02), ("conflict", 0.03), ("conflict", 0.03)]
+        assert refused[0]["reason"] == "worker w1 is live at 127.0.0.1:9"
+        assert refused[0]["registered_addr"] == "127.0.0.1:9" and refused[0]["log_level"] == "error"
+    finally:
+        await node.transport.close()

@@ -51,6 +51,7 @@ from typing import Any, Callable
 from tests.support.cluster import Cluster, MetaSpec, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
+from shardgrid.auth import write_secret
 from shardgrid.topoctl import replica_problems
 from tests.tier3.test_chaos import GROUPS, Background
 from topology.routing import shard_for
@@ -84,7 +85,7 @@ def build(root: Path) -> Cluster:
     meta = [MetaSpec(f"m{i}", f"127.0.0.2{i}:7001", f"127.0.0.2{i}:7101") for i in (1, 2, 3)]
     workers = [(f"w{i}", f"127.0.0.1{i}:7201", "abc"[i - 1]) for i in (1, 2, 3)]
     root.mkdir(parents=True, exist_ok=True)
-    (root / "cluster.secret").write_text("partition-secret\n")
+    write_secret(root / "cluster.secret", "partition-secret")
     c = Cluster(root, meta, workers, gateways=["127.0.0.31:8080", "127.0.0.32:8080"])
     c.source = {w: h.split(":")[0] for w, h, _ in workers}
     return c
