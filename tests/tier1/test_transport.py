@@ -13,39 +13,53 @@ from worker.codec import decode_message
 from worker.transport import STREAM_PATH, Transport
 
 
-async def test_messages_sent_in_one_iteration_share_a_frame_and_are_counted(aiohttp_server: Any) -> None:
-    frames: list[list[m.Message]] = []
+def beat(commit: int) -> m.Heartbeat:
+    return m.Heartbeat(src="a", dst="b", group=0, term=1, commit=commit, round=0)
 
-    async def stream(request: web.Request) -> web.WebSocketResponse:
+
+class _Sink:
+    """A peer's stream endpoint that keeps every frame it receives, decoded."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[m.Message]] = []
+
+    async def stream(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         async for msg in ws:
             if msg.type == WSMsgType.BINARY:
-                frames.append([decode_message(raw) for raw in unpack_frame(msg.data)])
+                self.frames.append([decode_message(raw) for raw in unpack_frame(msg.data)])
         return ws
 
-    app = web.Application()
-    app.router.add_get(STREAM_PATH, stream)
-    server = await aiohttp_server(app)
-    transport = Transport(lambda dst: f"127.0.0.1:{server.port}", structlog.get_logger())
-
-    def beat(commit: int) -> m.Heartbeat:
-        return m.Heartbeat(src="a", dst="b", group=0, term=1, commit=commit, round=0)
-
-    async def received(n: int) -> None:
+    async def received(self, n: int) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + 5
-        while sum(map(len, frames)) < n:
-            assert loop.time() < end, frames
+        while sum(map(len, self.frames)) < n:
+            assert loop.time() < end, self.frames
             await asyncio.sleep(0.005)
 
+    def commits(self) -> list[list[int]]:
+        return [[h.commit for h in f] for f in self.frames]  # type: ignore[attr-defined]
+
+
+async def _serve(aiohttp_server: Any) -> tuple[_Sink, str]:
+    sink = _Sink()
+    app = web.Application()
+    app.router.add_get(STREAM_PATH, sink.stream)
+    server = await aiohttp_server(app)
+    return sink, f"127.0.0.1:{server.port}"
+
+
+async def test_messages_sent_in_one_iteration_share_a_frame_and_are_counted(aiohttp_server: Any) -> None:
+    sink, addr = await _serve(aiohttp_server)
+    transport = Transport(lambda dst: addr, structlog.get_logger())
     try:
         for i in range(3):
             transport.send(beat(i))
-        await received(3)
+        await sink.received(3)
         transport.send(beat(3))
-        await received(4)
-        assert [[h.commit for h in f] for f in frames] == [[0, 1, 2], [3]]  # type: ignore[attr-defined]
+        await sink.received(4)
+        assert sink.commits() == [[0, 1, 2], [3]]
         assert (transport.stats.messages, transport.stats.frames) == (4, 2)
     finally:
         await transport.close()
@@ -53,40 +67,16 @@ async def test_messages_sent_in_one_iteration_share_a_frame_and_are_counted(aioh
 
 async def test_a_message_msgpack_cannot_pack_is_dropped_and_counted_and_the_stream_goes_on(
         aiohttp_server: Any) -> None:
-    frames: list[list[m.Message]] = []
-
-    async def stream(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        async for msg in ws:
-            if msg.type == WSMsgType.BINARY:
-                frames.append([decode_message(raw) for raw in unpack_frame(msg.data)])
-        return ws
-
-    app = web.Application()
-    app.router.add_get(STREAM_PATH, stream)
-    server = await aiohttp_server(app)
-    addr = f"127.0.0.1:{server.port}"
+    sink, addr = await _serve(aiohttp_server)
     transport = Transport(lambda dst: addr, structlog.get_logger())
-
-    def beat(commit: int) -> m.Heartbeat:
-        return m.Heartbeat(src="a", dst="b", group=0, term=1, commit=commit, round=0)
-
-    async def received(n: int) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 5
-        while sum(map(len, frames)) < n:
-            assert loop.time() < end, frames
-            await asyncio.sleep(0.005)
-
     try:
         transport.send(beat(0))
         transport._peers[addr].send(["not", {"a set"}])  # what a codec bug would queue
         transport.send(beat(1))
-        await received(2)
+        await sink.received(2)
         transport.send(beat(2))
-        await received(3)
-        assert [[h.commit for h in f] for f in frames] == [[0, 1], [2]]  # type: ignore[attr-defined]
+        await sink.received(3)
+        assert sink.commits() == [[0, 1], [2]]
         assert (transport.stats.messages, transport.stats.unpackable) == (3, 1)
     finally:
         await transport.close()
