@@ -10,6 +10,7 @@ follows it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ from topology.plan import Action, action_to_dict, other_changes, plan, render_ac
 
 MAX_TOPOLOGY_BYTES = 1 << 20
 MAX_WATCH_S = 60.0
+# Long-poll watches one meta node holds at once (each worker and gateway keeps one open).
+MAX_WATCHERS = 1024
 COMMAND_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 10.0
 WORKER_CALL_TIMEOUT_S = 5.0
@@ -111,6 +114,7 @@ class MetaServer:
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
+        self._watchers = 0  # long-poll watches of /v1/cluster in progress
         self._balance: dict[int, _BalanceMove] = {}  # leader balance, per group moved
         # Hot-group relief's own soft state, for the SoftState it was built from
         # (a new meta leadership starts every window over).
@@ -224,15 +228,25 @@ class MetaServer:
         if wait is not None:
             try:
                 after = int(wait)
-                timeout = min(float(request.query.get("timeout", "30")), MAX_WATCH_S)
+                timeout = float(request.query.get("timeout", "30"))
             except ValueError:
                 raise ApiError("bad_request", "wait must be an integer revision and timeout a number of seconds")
-            deadline = time.monotonic() + max(timeout, 0.0)
-            while self.raft.sm.revision <= after:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                await self.raft.wait_changed(remaining)
+            if not math.isfinite(timeout):
+                raise ApiError("bad_request", "timeout must be a finite number of seconds")
+            if self._watchers >= MAX_WATCHERS:
+                # Every worker and gateway holds one; beyond that it is a flood.
+                raise ApiError("overloaded", f"{MAX_WATCHERS} watches are open on this meta node; retry shortly",
+                               retry_elsewhere=True)
+            deadline = time.monotonic() + min(max(timeout, 0.0), MAX_WATCH_S)
+            self._watchers += 1
+            try:
+                while self.raft.sm.revision <= after:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    await self.raft.wait_changed(remaining)
+            finally:
+                self._watchers -= 1
         return json_response(self.cluster_view())
 
     async def get_topology(self, request: web.Request) -> web.Response:

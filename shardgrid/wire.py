@@ -22,6 +22,7 @@ STATUS_FOR_CODE: dict[str, int] = {
     "payload_too_large": 413,
     "not_leader": 503,
     "unavailable": 503,
+    "overloaded": 503,
     "quorum_timeout": 504,
     "deadline_exceeded": 504,
     "not_implemented": 501,

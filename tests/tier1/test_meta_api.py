@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient
 
 from meta.controller import SoftState, unusable
 from meta.raft import MetaRaft, RaftPeer
-from meta.server import MetaServer, MetaServerConfig, _now_ms
+from meta.server import SERVER_KEY, MetaServer, MetaServerConfig, _now_ms
 from tests.support.cluster import free_ports
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").read_text()
@@ -112,6 +112,27 @@ async def test_watch_returns_when_the_revision_passes(api: TestClient) -> None:
     assert idle.status == 200
     bad = await api.get("/v1/cluster", params={"wait": "x"})
     assert bad.status == 400
+
+
+async def test_watches_are_capped_and_a_non_finite_timeout_is_refused(api: TestClient,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import meta.server
+
+    server = api.server.app[SERVER_KEY]
+    monkeypatch.setattr(meta.server, "MAX_WATCHERS", 1)
+    rev = (await (await api.get("/v1/cluster")).json())["revision"]
+    for bad in ("nan", "inf", "-inf"):
+        resp = await api.get("/v1/cluster", params={"wait": str(rev), "timeout": bad})
+        assert resp.status == 400 and "finite" in (await resp.json())["error"]["message"], bad
+    first = asyncio.create_task(api.get("/v1/cluster", params={"wait": str(rev), "timeout": "10"}))
+    await _until(lambda: server._watchers == 1, "the first watch to be held")
+    second = await api.get("/v1/cluster", params={"wait": str(rev), "timeout": "10"})
+    err = (await second.json())["error"]
+    assert second.status == 503 and err["code"] == "overloaded" and err["retry_elsewhere"] is True, err
+    assert (await api.get("/v1/cluster")).status == 200  # a plain read is never refused
+    await put(api, EXAMPLE)
+    assert (await asyncio.wait_for(first, 5)).status == 200
+    assert server._watchers == 0
 
 
 async def test_register_and_heartbeat_validation(api: TestClient) -> None:
