@@ -59,8 +59,12 @@ from gateway.batching import ShardWrites, shard_writes, spread_results
 from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
+from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import bearer_token, check_bearer
+from shardgrid.identity import SoftwareIdentity
+from shardgrid.peerauth import ClusterKeys, Principal
+from shardgrid.peerauth_http import PeerSigner
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
@@ -91,6 +95,11 @@ class GatewayConfig:
     coalesce: bool = True  # queue single writes behind an in-flight call to the group (see forward.py)
     pool_size: int = 4096  # connections to workers and meta, all hosts together
     watch_timeout_s: float = 25.0
+    # Its name in the cluster (principal gateway:ID; default: its listen address).
+    id: str = ""
+    # The cluster secret(s) (None: intra-cluster calls are not signed, tests only).
+    cluster_keys: ClusterKeys | None = field(default=None, repr=False)
+    identity: SoftwareIdentity = SoftwareIdentity("", "")
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -370,6 +379,9 @@ class Gateway:
         self.log = log
         self.metrics = GatewayMetrics()
         self._rt: _Runtime | None = None
+        self.gateway_id = cfg.id or cfg.listen
+        self.admission = AdmissionState()
+        self._admission_task: asyncio.Task[None] | None = None
 
     @property
     def rt(self) -> _Runtime:
@@ -405,14 +417,26 @@ class Gateway:
     async def _startup(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=self.cfg.pool_size, limit_per_host=0, keepalive_timeout=30)
         # No cookie jar: workers and meta set none, and it costs CPU per request.
-        session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        keys = self.cfg.cluster_keys
+        signer = (PeerSigner(keys, Principal("gateway", self.gateway_id)),) if keys is not None else ()
+        session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(), middlewares=signer)
         meta = MetaClient(list(self.cfg.meta), session=session)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
         self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session, self.log), self.metrics,
                                                              coalesce=self.cfg.coalesce))
         cache.start()
+        if keys is not None:
+            self._admission_task = asyncio.create_task(keep_admitted(
+                meta, self.gateway_id, self.cfg.listen, self.cfg.identity, self.admission, self.log))
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._admission_task is not None:
+            self._admission_task.cancel()
+            try:
+                await self._admission_task
+            except asyncio.CancelledError:
+                pass
+            self._admission_task = None
         if self._rt is None:
             return
         await self._rt.cache.close()
@@ -434,6 +458,8 @@ class Gateway:
         resp: web.StreamResponse
         try:
             try:
+                if self.admission.state == "refused" and not request.path.startswith(("/healthz", "/metrics")):
+                    self.admission.check()
                 resp = await handler(request)
             except Exception as exc:  # noqa: BLE001 - error_for answers (500 for the unexpected) or re-raises
                 if isinstance(exc, ApiError):
@@ -635,8 +661,14 @@ class Gateway:
             return json_response({"ok": False, "revision": table.revision if table is not None else None,
                                   "message": "no routing table from meta yet" if table is None
                                   else "meta has no topology applied yet"}, status=503)
-        return json_response({"ok": True, "revision": table.revision, "shards": table.shards,
-                              "groups_without_ready_leader": table.groups_without_ready_leader()})
+        if self.admission.state == "refused":
+            return json_response({"ok": False, "admission": "refused", "reason": self.admission.reason,
+                                  "message": self.admission.message}, status=503)
+        body: dict[str, Any] = {"ok": True, "revision": table.revision, "shards": table.shards,
+                                "groups_without_ready_leader": table.groups_without_ready_leader()}
+        if self.cfg.cluster_keys is not None:
+            body["admission"] = self.admission.state
+        return json_response(body)
 
     # -- operator verbs
 

@@ -42,9 +42,7 @@ from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
 from meta.controller import REBALANCE_AFTER_MS, SoftState, is_live, report_of, transfer_lag_allowed, unusable
-from meta.state import GroupRecord, WorkerRecord
-
-ELIGIBLE = ("active", "available")
+from meta.state import GroupRecord, WorkerRecord, placeable
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ def eligible_workers(workers: Mapping[str, WorkerRecord], soft: SoftState, now_m
     out = set()
     for w in workers.values():
         seen = soft.workers.get(w.id)
-        if w.state in ELIGIBLE and seen is not None and is_live(soft, w.id, now_ms, lease_ms) \
+        if placeable(w) and seen is not None and is_live(soft, w.id, now_ms, lease_ms) \
                 and now_ms - seen.up_since_ms >= REBALANCE_AFTER_MS:
             out.add(w.id)
     return out
@@ -99,7 +97,7 @@ def balance_leader_counts(groups: Sequence[GroupRecord], workers: Mapping[str, W
             if g.leader != source or g.id in busy or (moved is not None and now_ms - moved < window_ms):
                 continue
             pref = workers.get(g.preferred_leader or "")
-            orphan = g.preferred_leader not in g.voters or pref is None or pref.state not in ELIGIBLE
+            orphan = g.preferred_leader not in g.voters or not placeable(pref)
             if not orphan and (g.leader_pinned or g.preferred_leader != g.leader):
                 continue  # pinned, or on its way back to a preferred leader that is down or warming up
             for v in g.voters:

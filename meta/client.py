@@ -37,7 +37,7 @@ def _base(addr: str) -> str:
 class MetaClient:
     def __init__(self, addrs: list[str], admin_token: str | None = None,
                  session: aiohttp.ClientSession | None = None, deadline_s: float = 10.0,
-                 local_addr: str | None = None) -> None:
+                 local_addr: str | None = None, middlewares: tuple[Any, ...] = ()) -> None:
         if not addrs:
             raise ValueError("at least one meta address is needed")
         self.addrs = [_base(a) for a in addrs]
@@ -47,6 +47,8 @@ class MetaClient:
         self._preferred = 0
         self.deadline_s = deadline_s
         self.local_addr = local_addr
+        # The request signer of a cluster member (shardgrid/peerauth_http.py), used when this client owns its session.
+        self.middlewares = middlewares
 
     async def __aenter__(self) -> "MetaClient":
         return self
@@ -63,7 +65,7 @@ class MetaClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(local_addr=(self.local_addr, 0)) if self.local_addr else None
             self._session = aiohttp.ClientSession(
-                connector=connector, json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
+                connector=connector, middlewares=self.middlewares, json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
         return self._session
 
     def _order(self) -> list[int]:
@@ -178,8 +180,10 @@ class MetaClient:
                                                  params=params, admin=True)
         return result
 
-    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": wid, "addr": addr, "zone": zone}
+    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0,
+                       version: str = "", code_digest: str = "") -> dict[str, Any]:
+        body: dict[str, Any] = {"id": wid, "addr": addr, "zone": zone, "version": version,
+                                "code_digest": code_digest}
         if ram or disk:
             body.update(available_ram=ram, available_disk=disk)
         result: dict[str, Any] = await self.call("POST", "/v1/workers/register", json=body)

@@ -501,8 +501,12 @@ def rebalance(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease
     return []
 
 
-def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int) -> list[Action]:
-    """Every failover and membership-record action the controller wants now, in group order."""
+def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int,
+           revoked: frozenset[str] = frozenset()) -> list[Action]:
+    """Every failover and membership-record action the controller wants now, in group order.
+
+    A `revoked` worker leads nothing: its leaderships fail over at once, to
+    a voter heard from within the lease (no grace: its peers already refuse it)."""
     actions: list[Action] = list(record_members(groups, soft))
     # Silence can be judged only a lease after election; a restart is reported.
     judge_silence = now_ms - soft.leader_since_ms >= lease_ms
@@ -512,20 +516,29 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
         usable = lead_report is None or not unusable(lead_report)
         restarted = lead_report is not None and usable and restarted_leader(lead_report, group)
         isolated = None
+        # None: every voter may lead; a revoked one never does.
+        allowed = frozenset(group.voters) - revoked if revoked else None
+        if group.leader in revoked:
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=allowed)
+            if candidate is not None:
+                actions.append(SetLeader(group.id, candidate, group.term, f"leader {group.leader} was revoked",
+                                         "revoked"))
+            continue
         if restarted:
             # Judged from a report, maybe right after a meta election: only
             # voters that have reported too, the restarted one last.
-            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True) or \
-                failover_candidate(group, soft, now_ms, lease_ms, include_leader=True, heard_only=True)
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=allowed) or \
+                failover_candidate(group, soft, now_ms, lease_ms, include_leader=True, heard_only=True, among=allowed)
         elif group.leader is not None and usable and is_live(soft, group.leader, now_ms, grace):
             isolated = isolated_leader(group, soft, now_ms, lease_ms)
             if isolated is None:
                 continue
-            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=isolated.among)
+            among = isolated.among if allowed is None or isolated.among is None else isolated.among & allowed
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=among)
         elif not judge_silence:
             continue
         else:
-            candidate = failover_candidate(group, soft, now_ms, lease_ms)
+            candidate = failover_candidate(group, soft, now_ms, lease_ms, among=allowed)
         if candidate is None:
             continue
         if group.leader is None:

@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from meta.controller import GroupReport, SoftState, StartTransfer, heard_live, report_of, transfer_lag_allowed, unusable
-from meta.repair import PLACEABLE, StartOperator
-from meta.state import GroupRecord, WorkerRecord
+from meta.repair import StartOperator
+from meta.state import GroupRecord, WorkerRecord, placeable
 
 # How much more than the group's own rate the leader-load gap must be: what
 # noise in the reported rates must overcome to reverse a move (see above).
@@ -194,7 +194,7 @@ def hot_evidence(group: GroupRecord, soft: SoftState, now_ms: int, lease_ms: int
 def _can_lead(group: GroupRecord, soft: SoftState, worker: str, lead: GroupReport, now_ms: int, lease_ms: int,
               workers: Mapping[str, WorkerRecord]) -> bool:
     rec = workers.get(worker)
-    if rec is None or rec.state not in PLACEABLE or not heard_live(soft, worker, now_ms, lease_ms):
+    if not placeable(rec) or not heard_live(soft, worker, now_ms, lease_ms):
         return False
     rep = report_of(soft, worker, group.id)
     if rep is None or unusable(rep) or rep.term != group.term:
@@ -265,7 +265,7 @@ def _hot_leader_move(state: HotState, groups: Sequence[GroupRecord], soft: SoftS
 def _shed(state: HotState, groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms: int,
           cfg: HotSettings, workers: Mapping[str, WorkerRecord], busy: frozenset[int], rates: Mapping[int, float],
           wloads: Mapping[str, float], hosting: frozenset[str]) -> Decision | None:
-    spares = sorted(w.id for w in workers.values() if w.state == "available" and w.id not in hosting
+    spares = sorted(w.id for w in workers.values() if w.state == "available" and placeable(w) and w.id not in hosting
                     and heard_live(soft, w.id, now_ms, lease_ms))
     if not spares:
         return None
@@ -330,7 +330,7 @@ def relieve(state: HotState, groups: Sequence[GroupRecord], workers: Mapping[str
     rates = group_rates(groups, soft, now_ms, lease_ms)
     wloads = worker_loads(groups, rates)
     hosting = frozenset(w for g in groups for w in (*g.voters, *g.learners))
-    serving = sorted(w for w in hosting if w in workers and workers[w].state in PLACEABLE
+    serving = sorted(w for w in hosting if w in workers and placeable(workers[w])
                      and heard_live(soft, w, now_ms, lease_ms))
     evidence = _observe(state, groups, soft, now_ms, lease_ms, cfg, wloads, serving)
     if not quiet:

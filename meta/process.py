@@ -11,6 +11,7 @@ from aiohttp import web
 
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig
+from shardgrid.peerauth import ClusterKeys
 from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner
@@ -48,8 +49,10 @@ async def serve(cfg: MetaProcessConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password, loop)
-    server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token), log)
+    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password.splitlines()[0].strip(), loop)
+    # The first line of the secret is PySyncObj's password; every line verifies peers (rotation).
+    server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token, node_id=cfg.me.id,
+                                               cluster_keys=ClusterKeys.from_text(cfg.password)), log)
     # Long-poll watches would hold a graceful shutdown for their whole timeout.
     runner = app_runner(server.app(), shutdown_timeout=1.0)
     await runner.setup()

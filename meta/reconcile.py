@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from meta.controller import SoftState, heard_live, is_live
-from meta.repair import PLACEABLE, StartOperator
-from meta.state import GroupRecord, OperatorRecord, WorkerRecord
+from meta.repair import StartOperator
+from meta.state import GroupRecord, OperatorRecord, WorkerRecord, placeable
 
 
 def reconcile(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord],
@@ -41,7 +41,7 @@ def reconcile(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRec
         voters, learners = set(g.voters), set(g.learners)
         # A desired learner is promoted by an add operator too (it resumes at catch-up).
         addable = [w for w in g.desired if w not in voters and (w in learners or (
-            w in workers and workers[w].state in PLACEABLE and heard_live(soft, w, now_ms, lease_ms)
+            placeable(workers.get(w)) and heard_live(soft, w, now_ms, lease_ms)
             and not soft.refusing(g.id, w, now_ms)))]
         if addable:
             actions.append(StartOperator(g.id, "add", addable[0],

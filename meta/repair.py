@@ -47,10 +47,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from meta.controller import SoftState, StartTransfer, best_transfer_target, heard_live, is_live, report_of
-from meta.state import GroupRecord, OperatorRecord, WorkerRecord
-
-# Worker states a replacement may come from.
-PLACEABLE = ("active", "available")
+from meta.state import GroupRecord, OperatorRecord, WorkerRecord, placeable, revoked
 
 # The rules whose assignments time out (settings.assignment_timeout_ms).
 TIMED_RULES = ("repair", "fill", "drain", "shed")
@@ -95,7 +92,7 @@ def draining(workers: Mapping[str, WorkerRecord], wid: str) -> bool:
 def gone_for(soft: SoftState, worker: WorkerRecord | None, wid: str, now_ms: int, replace_after_ms: int) -> bool:
     """Is `wid` gone: declared so, or not heard from for replace_after_ms (by
     this meta leader: one it never heard from counts from its election)?"""
-    if worker is not None and worker.state == "removed":
+    if worker is not None and (worker.state == "removed" or revoked(worker)):
         return True
     seen = soft.workers.get(wid)
     last = seen.last_seen_ms if seen is not None else max(soft.leader_since_ms, soft.first_known_ms.get(wid, 0))
@@ -113,7 +110,7 @@ def replacement(group: GroupRecord, groups: Sequence[GroupRecord], workers: Mapp
     hosted = Counter(w for g in groups for w in (*g.voters, *g.learners))
     best: tuple[bool, int, str] | None = None
     for w in workers.values():
-        if w.id in members or w.state not in PLACEABLE or busy[w.id] or not heard_live(soft, w.id, now_ms, lease_ms) \
+        if w.id in members or not placeable(w) or busy[w.id] or not heard_live(soft, w.id, now_ms, lease_ms) \
                 or soft.refusing(group.id, w.id, now_ms):
             continue
         key = (w.zone in zones, hosted[w.id], w.id)
@@ -159,7 +156,7 @@ def repair(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord
         if g.id in operators or not g.ready or g.leader is None or not is_live(soft, g.leader, now_ms, lease_ms):
             continue
         if draining(workers, g.leader):
-            leaving = frozenset(v for v in g.voters if v not in workers or workers[v].state not in PLACEABLE)
+            leaving = frozenset(v for v in g.voters if not placeable(workers.get(v)))
             target = best_transfer_target(g, soft, now_ms, lease_ms, exclude=leaving)
             if target is not None:
                 actions.append(StartTransfer(g.id, g.leader, target))
@@ -186,7 +183,8 @@ def repair(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord
         failed = failed_for(soft, gone[0], g.id, now_ms, replace_after_ms) and state != "removed"
         rep = report_of(soft, gone[0], g.id)
         why = (f"{gone[0]}'s replica has failed for {replace_after_ms} ms ({rep.failed if rep else 'failed'})"
-               if failed else {"removed": f"{gone[0]} was declared gone", "draining": f"{gone[0]} is draining"}.get(
+               if failed else f"{gone[0]} was revoked" if revoked(workers.get(gone[0])) else
+               {"removed": f"{gone[0]} was declared gone", "draining": f"{gone[0]} is draining"}.get(
                    state, f"{gone[0]} silent for {replace_after_ms} ms"))
         by = "drain" if state == "draining" else "repair"
         live = [v for v in g.voters if v not in gone and heard_live(soft, v, now_ms, lease_ms)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +30,12 @@ from meta.raft import MetaRaft, RaftUnavailable
 from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
                          repair)
-from meta.state import GroupRecord, MetaStateMachine
+from meta.state import GroupRecord, MetaStateMachine, revoked
 from shardgrid.auth import bearer_ok, check_bearer
 from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.identity import SoftwareIdentity
+from shardgrid.peerauth import ClusterKeys, Principal, SessionTable
+from shardgrid.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
 from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
@@ -65,10 +69,27 @@ def _now_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+# Routes only cluster members may call, and which (shardgrid/peerauth_http.py);
+# the others are reads anyone may make or operator verbs behind the admin token.
+PEER_POLICY = {
+    "/v1/workers/register": frozenset({"worker"}),
+    "/v1/workers/{wid}/heartbeat": frozenset({"worker"}),
+    "/v1/groups/{gid}/ready": frozenset({"worker"}),
+    "/v1/groups/{gid}/leader": frozenset({"worker"}),
+    "/v1/gateways/register": frozenset({"gateway"}),
+}
+# Admission refusals kept for `topoctl status` (most recent last).
+MAX_REFUSALS = 32
+MAX_GATEWAYS = 1024
+
+
 @dataclass
 class MetaServerConfig:
     admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     controller: bool = True
+    # None: no cluster secret, worker-facing routes are open (tests of the API alone).
+    cluster_keys: ClusterKeys | None = field(default=None, repr=False)
+    node_id: str = "meta"
 
 
 @dataclass
@@ -120,11 +141,26 @@ class MetaServer:
         # (a new meta leadership starts every window over).
         self._hot = HotState()
         self._hot_soft: SoftState | None = None
+        self.me = Principal("meta", config.node_id)
+        keys = config.cluster_keys
+        self.signer = PeerSigner(keys, self.me) if keys is not None else None
+        table = SessionTable(keys, self.me, time.monotonic, revoked=self._revoked) if keys is not None else None
+        self.guard = PeerGuard(table, PEER_POLICY, log, registry=reg, on_refuse=self._note_refusal)
+        # Who was refused admission, and why: shown by `topoctl status`.
+        self.refusals: deque[dict[str, Any]] = deque(maxlen=MAX_REFUSALS)
+        self.gateways: dict[str, dict[str, Any]] = {}
+
+    def _revoked(self, who: Principal) -> bool:
+        return who.role == "worker" and revoked(self.raft.sm.workers.get(who.name))
+
+    def _note_refusal(self, who: str | None, addr: str | None, reason: str) -> None:
+        if reason in ("unknown_credentials", "version_mismatch", "revoked"):
+            self.refusals.append({"principal": who, "addr": addr, "reason": reason, "at_unix_ms": int(time.time() * 1000)})
 
     # -- app ------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.metrics.middleware, error_middleware],
+        app = web.Application(middlewares=[self.metrics.middleware, error_middleware, self.guard.middleware],
                               client_max_size=MAX_TOPOLOGY_BYTES)
         app[SERVER_KEY] = self
         app[LOGGER_KEY] = self.log
@@ -146,6 +182,9 @@ class MetaServer:
         r.add_post("/v1/workers/{wid}/gone", self.worker_gone)
         r.add_post("/v1/workers/{wid}/drain", self.worker_drain)
         r.add_post("/v1/workers/{wid}/undrain", self.worker_undrain)
+        r.add_post("/v1/workers/{wid}/revoke", self.worker_revoke)
+        r.add_post("/v1/workers/{wid}/admit", self.worker_admit)
+        r.add_post("/v1/gateways/register", self.register_gateway)
         app.on_startup.append(self._start_controller)
         app.on_cleanup.append(self._stop_controller)
         return app
@@ -214,6 +253,11 @@ class MetaServer:
         view["meta"] = self._meta_nodes()
         view["meta_leader"] = leader.id if leader else None
         view["served_by"] = self.raft.me.id
+        now = _now_ms()
+        view["gateways"] = [{**{k: v for k, v in g.items() if k != "last_seen_ms"},
+                             "last_seen_ms_ago": now - g["last_seen_ms"]}
+                            for g in sorted(self.gateways.values(), key=lambda g: g["id"])]
+        view["refusals"] = list(self.refusals)
         if self.soft is not None and self.raft.is_leader():
             now, lease = _now_ms(), self._lease_ms()
             for wid, w in view["workers"].items():
@@ -325,7 +369,7 @@ class MetaServer:
 
     async def _worker_post(self, wid: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(middlewares=(self.signer,) if self.signer else ())
         url = f"http://{self._worker_addr(wid)}{path}"
         async with self._session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"},
                                       timeout=aiohttp.ClientTimeout(total=WORKER_CALL_TIMEOUT_S)) as resp:
@@ -481,6 +525,7 @@ class MetaServer:
         term, leader = body.get("term"), body.get("leader")
         if not isinstance(term, int) or isinstance(term, bool) or not isinstance(leader, str):
             raise ApiError("bad_request", "ready needs {\"term\": int, \"leader\": str}")
+        require_sender(request, "worker", leader, "a leader's ready")
         result = await self._submit({"op": "set_ready", "group": self._gid(request), "term": term, "leader": leader})
         self._raise_failed(result)
         return json_response(result)
@@ -492,6 +537,12 @@ class MetaServer:
         if not isinstance(expect, int) or isinstance(expect, bool) or not isinstance(leader, str):
             raise ApiError("bad_request", "leader needs {\"leader\": str, \"expect_term\": int}")
         gid = self._gid(request)
+        peer = peer_of(request)
+        current = self.raft.sm.groups.get(gid)
+        if peer is not None and (current is None or peer.name != current.leader):
+            # Only the group's leader hands its leadership over (a transfer);
+            # failovers are the controller's own, through the log.
+            raise refusal("wrong_sender", f"only group {gid}'s leader may name its successor, not {peer}")
         result = await self._submit({"op": "set_leader", "group": gid, "leader": leader, "expect_term": expect})
         self._raise_failed(result)
         self.log.info("leader_set", group=gid, leader=leader, term=result["term"])
@@ -502,6 +553,8 @@ class MetaServer:
         wid, addr = body.get("id"), body.get("addr")
         if not isinstance(wid, str) or not wid or not isinstance(addr, str) or ":" not in addr:
             raise ApiError("bad_request", "register needs {\"id\": str, \"addr\": \"host:port\", \"zone\": str}")
+        require_sender(request, "worker", wid, "a worker's registration")
+        identity = self._admit_identity(request, f"worker:{wid}", body)
         zone = body.get("zone")
         if zone is not None and not isinstance(zone, str):
             raise ApiError("bad_request", "zone must be a string")
@@ -521,9 +574,66 @@ class MetaServer:
         result = await self._submit({"op": "register_worker", "id": wid, "addr": addr, "zone": zone,
                                      "ram_bytes": capacity["available_ram"],
                                      "disk_bytes": capacity["available_disk"],
-                                     "allow_repoint": allow_repoint})
+                                     "allow_repoint": allow_repoint, "version": identity.version,
+                                     "code_digest": identity.code_digest})
+        if not result.get("ok") and result.get("reason") == "revoked":
+            self._note_refusal(f"worker:{wid}", request.remote, "revoked")
         self._raise_failed(result)
-        return json_response(result)
+        return json_response({**result, "admission": "admitted"})
+
+    def _admit_identity(self, request: web.Request, who: str, body: dict[str, Any]) -> SoftwareIdentity:
+        """The software a joining process reports; refused (403 version_mismatch)
+        unless settings.allowed_versions lists its version (or lists none)."""
+        version, digest = body.get("version", ""), body.get("code_digest", "")
+        if not isinstance(version, str) or len(version) > 64 or not isinstance(digest, str) or len(digest) > 128:
+            raise ApiError("bad_request", "version and code_digest must be strings (at most 64 and 128 characters)")
+        allowed = ((self.raft.sm.topology or {}).get("settings") or {}).get("allowed_versions") or []
+        if allowed and version not in allowed:
+            self._note_refusal(who, request.remote, "version_mismatch")
+            self.log.warning("admission_refused", principal=who, peer_addr=request.remote, reason="version_mismatch",
+                             version=version, allowed=list(allowed))
+            raise ApiError("forbidden", f"{who} runs version {version or '(none)'}; settings.allowed_versions admits "
+                           f"{', '.join(allowed)}", reason="version_mismatch", allowed_versions=list(allowed))
+        return SoftwareIdentity(version, digest)
+
+    async def register_gateway(self, request: web.Request) -> web.Response:
+        """A gateway says who it is (it is not placed on: this is for admission and `topoctl status`)."""
+        body = await _json_body(request)
+        gid, addr = body.get("id"), body.get("addr")
+        if not isinstance(gid, str) or not gid or len(gid) > 128 or not isinstance(addr, str) or len(addr) > 256:
+            raise ApiError("bad_request", "register needs {\"id\": str, \"addr\": \"host:port\"}")
+        require_sender(request, "gateway", gid, "a gateway's registration")
+        if not self.raft.is_leader():
+            leader = self.raft.leader()
+            raise ApiError("not_leader", "gateways register with the meta leader",
+                           leader=leader.id if leader else None, leader_http=leader.http if leader else None)
+        identity = self._admit_identity(request, f"gateway:{gid}", body)
+        if gid not in self.gateways and len(self.gateways) >= MAX_GATEWAYS:
+            oldest = min(self.gateways, key=lambda k: self.gateways[k]["last_seen_ms"])
+            del self.gateways[oldest]
+        self.gateways[gid] = {"id": gid, "addr": addr, "admission": "admitted", "version": identity.version,
+                              "code_digest": identity.code_digest, "last_seen_ms": _now_ms()}
+        return json_response({"ok": True, "admission": "admitted"})
+
+    async def worker_revoke(self, request: web.Request) -> web.Response:
+        """Take a worker's credentials away: it leaves the eligible set at once,
+        its leaderships fail over, its replicas are replaced, and meta and its
+        peers refuse its traffic. `admit` undoes it."""
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        wid = self._worker_id(request)
+        result = await self._submit({"op": "set_admission", "id": wid, "admission": "revoked"})
+        self._raise_failed(result)
+        dropped = self.guard.revoke(Principal("worker", wid))
+        self.log.warning("worker_revoked", worker=wid, sessions_dropped=dropped)
+        return json_response({"worker": wid, "admission": "revoked", "changed": result.get("changed", True)})
+
+    async def worker_admit(self, request: web.Request) -> web.Response:
+        check_bearer(request.headers.get("Authorization"), self.config.admin_token)
+        wid = self._worker_id(request)
+        result = await self._submit({"op": "set_admission", "id": wid, "admission": "admitted"})
+        self._raise_failed(result)
+        self.log.info("worker_admitted", worker=wid)
+        return json_response({"worker": wid, "admission": "admitted", "changed": result.get("changed", True)})
 
     def _admit_repoint(self, request: web.Request, wid: str, old: str, new: str) -> None:
         """May this registration move a known worker id from `old` to `new`?
@@ -606,6 +716,9 @@ class MetaServer:
             raise ApiError("not_leader", "heartbeats go to the meta leader",
                            leader=leader.id if leader else None, leader_http=leader.http if leader else None)
         wid = request.match_info["wid"]
+        require_sender(request, "worker", wid, "a heartbeat")
+        if revoked(self.raft.sm.workers.get(wid)):
+            raise refusal("revoked", f"worker {wid} was revoked: its heartbeats are not heard")
         body = await _json_body(request)
         raw_groups = body.get("groups", {})
         if not isinstance(raw_groups, dict):
@@ -664,7 +777,8 @@ class MetaServer:
         now, lease = _now_ms(), self._lease_ms()
         for wid in sm.workers:
             self.soft.know(wid, now)
-        actions = decide(list(sm.groups.values()), self.soft, now, lease)
+        gone = frozenset(w.id for w in sm.workers.values() if revoked(w))
+        actions = decide(list(sm.groups.values()), self.soft, now, lease, revoked=gone)
         for op in list(sm.operators.values()):
             group = sm.groups.get(op.group)
             if group is not None and op.group not in self._busy_groups:
@@ -688,7 +802,8 @@ class MetaServer:
             # Balance only a quiet cluster: no failover, operator or leader
             # call in flight, and no earlier move still under way.
             held = {g for g, b in self._balance.items() if now < b.retry_at} | self._hot.held_groups(now)
-            unwanted = frozenset(w.id for w in sm.workers.values() if w.state in ("draining", "drained", "removed"))
+            unwanted = frozenset(w.id for w in sm.workers.values()
+                                 if w.state in ("draining", "drained", "removed") or revoked(w))
             for move in rebalance(list(sm.groups.values()), self.soft, now, lease, frozenset(held | set(sm.operators)),
                                   unwanted):
                 b = self._balance.setdefault(move.group, _BalanceMove())

@@ -20,6 +20,11 @@ from typing import Any
 from topology.model import Topology
 
 WORKER_STATES = ("active", "available", "draining", "drained", "removed")
+# Who is in the cluster (DESIGN §9), apart from what a worker is doing: a
+# revoked worker keeps its state (an operator may admit it back) but is never
+# placed, named leader or routed to, and its peers refuse its traffic.
+ADMISSIONS = ("admitted", "revoked")
+PLACEABLE = ("active", "available")
 
 
 @dataclass
@@ -32,6 +37,20 @@ class WorkerRecord:
     # defaults, not factories: a record pickled before they existed reads them.
     ram_bytes: int = 0
     disk_bytes: int = 0
+    admission: str = "admitted"
+    # The software it reported when it registered: package version and a
+    # digest of its installed code (settings.allowed_versions checks the first).
+    version: str = ""
+    code_digest: str = ""
+
+
+def placeable(rec: WorkerRecord | None) -> bool:
+    """May the controller put replicas and leaderships on this worker?"""
+    return rec is not None and rec.state in PLACEABLE and getattr(rec, "admission", "admitted") == "admitted"
+
+
+def revoked(rec: WorkerRecord | None) -> bool:
+    return rec is not None and getattr(rec, "admission", "admitted") == "revoked"
 
 
 @dataclass
@@ -189,13 +208,20 @@ class MetaStateMachine:
     def _cmd_register_worker(self, cmd: dict[str, Any]) -> dict[str, Any]:
         wid, addr = cmd["id"], cmd["addr"]
         ram, disk = int(cmd.get("ram_bytes", 0)), int(cmd.get("disk_bytes", 0))
+        version, digest = str(cmd.get("version", "")), str(cmd.get("code_digest", ""))
         rec = self.workers.get(wid)
         # A worker started without --zone keeps the zone the topology gave it.
         zone = cmd.get("zone") or (rec.zone if rec is not None else "default")
         if rec is None:
-            self.workers[wid] = WorkerRecord(wid, addr, zone, "available", ram, disk)
+            self.workers[wid] = WorkerRecord(wid, addr, zone, "available", ram, disk, version=version,
+                                             code_digest=digest)
             return ok(state="available")
-        if (rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes) == (addr, zone, ram, disk):
+        if revoked(rec):
+            return fail("forbidden", f"worker {wid} was revoked (topoctl worker admit {wid} lets it back in)",
+                        reason="revoked")
+        same = (rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes, getattr(rec, "version", ""),
+                getattr(rec, "code_digest", ""))
+        if same == (addr, zone, ram, disk, version, digest):
             return ok(changed=False, state=rec.state)
         # The server admitted a move from one address only ("allow_repoint":
         # that address; None: none). A command without the key predates the
@@ -205,7 +231,19 @@ class MetaStateMachine:
             return fail("conflict", f"worker {wid} is registered at {rec.addr}: moving it to {addr} "
                                     "was not admitted (re-register to have it checked)", registered_addr=rec.addr)
         rec.addr, rec.zone, rec.ram_bytes, rec.disk_bytes = addr, zone, ram, disk
+        rec.version, rec.code_digest = version, digest
         return ok(state=rec.state)
+
+    def _cmd_set_admission(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        rec = self.workers.get(cmd["id"])
+        if rec is None:
+            return fail("not_found", f"no worker {cmd['id']!r}")
+        if cmd["admission"] not in ADMISSIONS:
+            return fail("bad_request", f"admission must be one of {', '.join(ADMISSIONS)}")
+        if getattr(rec, "admission", "admitted") == cmd["admission"]:
+            return ok(changed=False, admission=rec.admission)
+        rec.admission = cmd["admission"]
+        return ok(admission=rec.admission)
 
     def _cmd_set_worker_state(self, cmd: dict[str, Any]) -> dict[str, Any]:
         rec = self.workers.get(cmd["id"])

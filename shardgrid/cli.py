@@ -2,10 +2,29 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 import sys
 from pathlib import Path
 
 from shardgrid.auth import SecretFileError, read_secret
+
+if TYPE_CHECKING:
+    from shardgrid.peerauth import ClusterKeys
+
+_SECRET_HELP = "cluster secret, the meta nodes' file (else env SHARDGRID_SECRET); one secret per line during a rotation"
+
+
+def _cluster_keys(args: argparse.Namespace, who: str) -> "ClusterKeys | None":
+    """The cluster secret a member proves itself with; None (and a message) when there is none."""
+    from shardgrid.peerauth import ClusterKeys
+
+    text = read_secret(args.secret_file, "SHARDGRID_SECRET")
+    if text is None:
+        sys.stderr.write(f"shardgrid {who}: the cluster secret is required (--secret-file or SHARDGRID_SECRET, "
+                         "the same one the meta nodes have): every request between cluster members is "
+                         "authenticated with it\n")
+        return None
+    return ClusterKeys.from_text(text)
 
 
 def _cmd_meta(args: argparse.Namespace) -> int:
@@ -42,9 +61,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         sys.stderr.write(f"shardgrid worker: {exc}\n")
         return 2
+    keys = _cluster_keys(args, "worker")
+    if keys is None:
+        return 2
+    from shardgrid.identity import current
+
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
-                       zone=args.zone, source_addr=args.source_addr, available_ram=ram, available_disk=disk)
+                       zone=args.zone, source_addr=args.source_addr, available_ram=ram, available_disk=disk,
+                       cluster_keys=keys, identity=current())
     return worker_main(cfg)
 
 
@@ -55,9 +80,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     if not meta:
         sys.stderr.write("shardgrid gateway: --meta needs at least one address\n")
         return 2
+    keys = _cluster_keys(args, "gateway")
+    if keys is None:
+        return 2
+    from shardgrid.identity import current
+
     cfg = GatewayConfig(listen=args.http, meta=meta,
                         admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
-                        access_log=args.access_log)
+                        access_log=args.access_log, id=args.id or args.http, cluster_keys=keys,
+                        identity=current())
     return gateway_main(cfg)
 
 
@@ -92,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--http", required=True, help="host:port of this node's HTTP API")
     m.add_argument("--peers", default="", help="the other nodes: ID/RAFT/HTTP,ID/RAFT/HTTP")
     m.add_argument("--data", required=True, help="directory for the Raft journal and dump")
-    m.add_argument("--secret-file", default=None, help="cluster secret (else env SHARDGRID_SECRET)")
+    m.add_argument("--secret-file", default=None, help=_SECRET_HELP)
     m.add_argument("--admin-token-file", default=None, help="admin token (else env SHARDGRID_ADMIN_TOKEN)")
     m.set_defaults(func=_cmd_meta)
 
@@ -103,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
     w.add_argument("--data", required=True, help="directory for group WALs and snapshots")
     w.add_argument("--zone", default=None, help="failure domain (default: the topology's)")
+    w.add_argument("--secret-file", default=None, help=_SECRET_HELP)
     w.add_argument("--source-addr", default=None,
                    help="local IP for outgoing connections to peers and meta (multi-homed hosts, tests)")
     w.add_argument("--available-ram", default=None, metavar="SIZE",
@@ -114,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
     g.add_argument("--http", required=True, help="host:port to listen on")
     g.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
+    g.add_argument("--id", default=None, help="its name in the cluster (default: --http)")
+    g.add_argument("--secret-file", default=None, help=_SECRET_HELP)
     g.add_argument("--admin-token-file", default=None,
                    help="admin token for /cluster/* (else env SHARDGRID_ADMIN_TOKEN; none = not checked here)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,

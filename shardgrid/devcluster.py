@@ -197,7 +197,8 @@ class LocalCluster:
 
     def _worker_args(self, wid: str, http: str, zone: str) -> list[str]:
         return ["worker", "--id", wid, "--http", http, "--meta", ",".join(self.meta_addrs),
-                "--data", str(self.data / "workers" / wid), "--zone", zone]
+                "--data", str(self.data / "workers" / wid), "--zone", zone,
+                "--secret-file", str(self.data / "cluster.secret")]
 
     def add_worker(self, extra: list[str] | None = None) -> Child:
         """A worker the topology does not declare, on the next free port after
@@ -248,7 +249,8 @@ class LocalCluster:
         for w in topo.workers:
             self._child(w.id, self._worker_args(w.id, w.http, w.zone))
         for i, gw in enumerate(self.gateways):
-            self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta, *self.gateway_args])
+            self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta, "--id", f"g{i + 1}",
+                                      "--secret-file", str(secret), *self.gateway_args])
         self.say("waiting for every group to have a ready leader ...")
         view = asyncio.run(wait_groups_ready(self.meta_addrs, timeout_s))
         asyncio.run(wait_http_ok([f"http://{g}/healthz" for g in self.gateways], timeout_s))

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
+import aiohttp
 from aiohttp import ClientRequest, ClientResponse, web
 from aiohttp.client_middlewares import ClientHandlerType
 from prometheus_client import CollectorRegistry, Counter
@@ -35,6 +36,7 @@ REFUSED_HEADER = "Shardgrid-Refused"
 WELCOME_HEADER = "Shardgrid-Welcome"
 ANY_ROLE = frozenset({"worker", "gateway", "meta"})
 _LOG_EVERY_S = 1.0
+HELLO_TIMEOUT_S = 5.0
 # 403: the sender is known but may not do this; the rest are 401 (prove who you are).
 _FORBIDDEN = frozenset({"revoked", "wrong_role", "wrong_sender"})
 
@@ -68,6 +70,8 @@ class PeerGuard:
     policy: Policy
     log: Any
     registry: CollectorRegistry | None = None
+    # Told of every refusal: (the principal claimed or proven, the peer's address, reason).
+    on_refuse: Callable[[str | None, str | None, str], None] | None = None
     _last_log: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,16 +103,20 @@ class PeerGuard:
         assert self.table is not None
         if request.method != "POST":
             return error_response(ApiError("method_not_allowed", f"{HELLO_PATH} takes POST"))
+        header = request.headers.get(HELLO_HEADER)
         try:
-            welcome = self.table.welcome(parse_hello(request.headers.get(HELLO_HEADER)))
+            welcome = self.table.welcome(parse_hello(header))
         except PeerAuthError as err:
-            return self._refuse(request, err.reason, err.message)
+            claimed = (header or "").split(" ")[0][:140] or None
+            return self._refuse(request, err.reason, err.message, claimed=claimed)
         return json_response({"ok": True}, headers={WELCOME_HEADER: welcome.header()})
 
     def _refuse(self, request: web.Request, reason: str, message: str,
-                peer: Principal | None = None) -> web.Response:
+                peer: Principal | None = None, claimed: str | None = None) -> web.Response:
         self.refused.labels(reason).inc()
         remote = request.remote or "?"
+        if self.on_refuse is not None:
+            self.on_refuse(str(peer) if peer else claimed, remote, reason)
         now = time.monotonic()
         # session_unknown is routine (a restart): the client says hello again.
         if reason != "session_unknown" and now - self._last_log.get(remote, -_LOG_EVERY_S) >= _LOG_EVERY_S:
@@ -116,7 +124,7 @@ class PeerGuard:
                 self._last_log.clear()
             self._last_log[remote] = now
             self.log.warning("peer_auth_refused", reason=reason, peer_addr=remote, path=request.path,
-                             principal=str(peer) if peer else None)
+                             principal=str(peer) if peer else claimed)
         return error_response(refusal(reason, message), headers={REFUSED_HEADER: reason})
 
     def revoke(self, who: Principal) -> int:
@@ -141,6 +149,8 @@ class PeerSigner:
         path_qs = req.url.raw_path_qs
         for attempt in range(2):
             sess = await self._session(req, origin)
+            if isinstance(sess, ClientResponse):
+                return sess  # the server refused the hello: its 401/403 is the answer
             req.headers[AUTH_HEADER] = sess.sign(req.method, path_qs, body)
             resp = await handler(req)
             if attempt == 0 and resp.status == 401 and resp.headers.get(REFUSED_HEADER) == "session_unknown":
@@ -151,27 +161,37 @@ class PeerSigner:
             return resp
         raise AssertionError("unreachable")
 
-    async def _session(self, req: ClientRequest, origin: str) -> ClientSession:
+    async def _session(self, req: ClientRequest, origin: str) -> ClientSession | ClientResponse:
         sess = self._sessions.get(origin)
         if sess is not None:
             return sess
         lock = self._locks.setdefault(origin, asyncio.Lock())
         async with lock:
             sess = self._sessions.get(origin)
-            if sess is None:
-                sess = await self._hello(req, origin)
-                self._sessions[origin] = sess
-            return sess
+            if sess is not None:
+                return sess
+            opened = await self._hello(req, origin)
+            if isinstance(opened, ClientSession):
+                self._sessions[origin] = opened
+            return opened
 
-    async def _hello(self, req: ClientRequest, origin: str) -> ClientSession:
+    async def _hello(self, req: ClientRequest, origin: str) -> ClientSession | ClientResponse:
         hello = make_hello(self.keys, self.me)
-        async with req.session.post(origin + HELLO_PATH, headers={HELLO_HEADER: hello.header()},
-                                    middlewares=(), ssl=req.ssl) as resp:
-            if resp.status != 200:
-                raise PeerAuthError(resp.headers.get(REFUSED_HEADER, "unknown_credentials"),
-                                    f"{origin} refused this process's hello ({resp.status}): {await resp.text()}")
+        resp = await req.session.post(origin + HELLO_PATH, headers={HELLO_HEADER: hello.header()},
+                                      middlewares=(), ssl=req.ssl,
+                                      timeout=aiohttp.ClientTimeout(total=HELLO_TIMEOUT_S))
+        await resp.read()
+        resp.release()
+        if resp.status != 200:
+            return resp
+        try:
             welcome = parse_welcome(resp.headers.get(WELCOME_HEADER))
-        return ClientSession(welcome.sid, open_client_session(self.keys, hello, welcome), welcome.server)
+            key = open_client_session(self.keys, hello, welcome)
+        except PeerAuthError as err:
+            # A server without this cluster's secret: as good as unreachable.
+            raise aiohttp.ClientResponseError(resp.request_info, resp.history, status=401,
+                                              message=f"{origin}: {err.message}") from None
+        return ClientSession(welcome.sid, key, welcome.server)
 
 
 def load_cluster_keys(path: str | None, env_var: str = "SHARDGRID_CLUSTER_SECRET") -> ClusterKeys | None:

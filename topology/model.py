@@ -63,6 +63,9 @@ class Settings:
     # A worker sheds a replica when its load exceeds the mean by this fraction.
     hot_worker_threshold: float = 0.5
     hot_relief: bool = True  # false: no hot-leader moves and no shedding
+    # The shardgrid versions meta admits workers at (empty: any); a rolling
+    # upgrade lists the old and the new one.
+    allowed_versions: tuple[str, ...] = ()
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
@@ -125,6 +128,6 @@ class Topology:
                 GroupSpec(id=g["id"], leader=g["leader"], replicas=tuple(g["replicas"])) for g in d["groups"]
             ),
             # Settings missing from an older stored copy take their defaults.
-            settings=Settings(**d["settings"]),
+            settings=Settings(**{**d["settings"], "allowed_versions": tuple(d["settings"].get("allowed_versions", ()))}),
             groups_explicit=d["groups_explicit"],
         )

@@ -40,6 +40,7 @@ MAX_SETTING_INT = 2**31 - 1
 _ID_RE = re.compile(r"[A-Za-z0-9_-]+")
 _CLUSTER_RE = re.compile(r"[a-z0-9_-]+")
 _ZONE_RE = re.compile(r"[A-Za-z0-9_.-]+")
+_VERSION_RE = re.compile(r"[A-Za-z0-9_.+-]+")
 
 TOP_KEYS = ("cluster", "shards", "replication_factor", "plugin", "meta", "workers", "groups", "settings")
 TOP_REQUIRED = ("cluster", "shards", "replication_factor", "meta", "workers")
@@ -373,6 +374,8 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
             v = c.want_ratio(m[key], path, *SETTINGS_FLOATS[key])
         elif key in SETTINGS_BOOLS:
             v = c.want_bool(m[key], path)
+        elif key == "allowed_versions":
+            v = _versions(c, m[key], path)
         elif key == "rebalance_window_ms":
             v = c.want_int(m[key], path, MIN_REBALANCE_WINDOW_MS, MAX_SETTING_INT)
         else:
@@ -381,6 +384,16 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
             ok = False
         values[key] = v
     return Settings(**values) if ok else None
+
+
+def _versions(c: _Checker, raw: object, path: str) -> tuple[str, ...] | None:
+    items = c.want_list(raw, path, "version strings, e.g. [\"0.1.0\"]")
+    if items is None:
+        return None
+    if not all(isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN and _VERSION_RE.fullmatch(v) for v in items):
+        c.add(path, "each entry must be a version string such as \"0.1.0\" (letters, digits, . + - _)")
+        return None
+    return tuple(items)
 
 
 def _groups(

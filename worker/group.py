@@ -821,7 +821,8 @@ class GroupShell:
         if addr is None:
             return
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=self.transport.connector())
+            self._session = aiohttp.ClientSession(connector=self.transport.connector(),
+                                                  middlewares=self.transport.middlewares)
         base = f"http://{addr}/v1/groups/{self.gid}/snapshot"
         try:
             async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:

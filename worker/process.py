@@ -15,7 +15,7 @@ import asyncio
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.identity import SoftwareIdentity
+from shardgrid.peerauth import ClusterKeys, Principal
+from shardgrid.peerauth_http import PeerSigner
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner
 from topology.model import Settings
@@ -62,6 +65,9 @@ class WorkerConfig:
     # What it offers the cluster (bytes; 0 = not said), advertised when it registers.
     available_ram: int = 0
     available_disk: int = 0
+    # The cluster secret(s) (None: intra-cluster traffic is not authenticated, tests only).
+    cluster_keys: ClusterKeys | None = field(default=None, repr=False)
+    identity: SoftwareIdentity = SoftwareIdentity("", "")
 
 
 class _BatchingCollector:
@@ -98,7 +104,9 @@ class WorkerNode:
         # from a steady worker even when the restart was quicker than a lease.
         self.boot = uuid.uuid4().hex
         self.log = log
-        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr)
+        self.principal = Principal("worker", cfg.id)
+        signer: tuple[Any, ...] = (PeerSigner(cfg.cluster_keys, self.principal),) if cfg.cluster_keys else ()
+        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr, middlewares=signer)
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
         labels = ["group"]
@@ -131,7 +139,7 @@ class WorkerNode:
         self.view: dict[str, Any] | None = None
         self.registered = False
         self.default_ack = "quorum"
-        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr)
+        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr, middlewares=signer)
         # The snapshot downloads this worker serves to learners; the topology's settings set the limits.
         self.snapshot_serving = SnapshotServing.create(Settings.snapshot_concurrency, Settings.snapshot_rate_mb_s,
                                                        time.monotonic())
@@ -152,6 +160,13 @@ class WorkerNode:
             return None
         w = self.view["workers"].get(worker_id)
         return w["addr"] if w else None
+
+    def revoked(self, who: Principal) -> bool:
+        """Has meta revoked this peer? (Its requests are refused from the view that says so.)"""
+        if self.view is None or who.role != "worker":
+            return False
+        w = self.view["workers"].get(who.name)
+        return w is not None and w.get("admission", "admitted") == "revoked"
 
     def leader_of(self, gid: int) -> str | None:
         g = self._view_group(gid)
@@ -192,7 +207,8 @@ class WorkerNode:
         while not self.registered:
             try:
                 await self.meta.register(self.id, self.cfg.advertise, self.cfg.zone,
-                                         ram=self.cfg.available_ram, disk=self.cfg.available_disk)
+                                         ram=self.cfg.available_ram, disk=self.cfg.available_disk,
+                                         version=self.cfg.identity.version, code_digest=self.cfg.identity.code_digest)
                 self.registered = True
                 self.log.info("registered", advertise=self.cfg.advertise, available_ram=self.cfg.available_ram,
                               available_disk=self.cfg.available_disk)

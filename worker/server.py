@@ -19,6 +19,9 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
     pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
+from shardgrid.peerauth import Principal, SessionTable
+from shardgrid.peerauth_http import ANY_ROLE, PeerGuard, peer_of
+from shardgrid.peerauth_http import refusal as auth_refusal
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import decode_message
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from worker.process import WorkerNode
 
 MSGPACK = "application/msgpack"
+# Who may call what (shardgrid/peerauth_http.py); /healthz, /metrics and
+# /v1/status stay open for probes and operators.
+_WORKERS, _META = frozenset({"worker"}), frozenset({"meta"})
 MAX_BODY = 64 << 20  # a request body, and a message on a peer or call stream (max_msg_size)
 # What one write or write_batch may carry, encoded. Each becomes ONE log
 # entry, replicated as one message on a peer stream, and a receiver refuses
@@ -163,8 +169,20 @@ class WorkerApi:
         self._call_ops = {"write": self.do_write, "write_batch": self.do_write_batch, "read": self.do_read}
         self._streams: set[web.WebSocketResponse] = set()  # open raft and call streams, closed on shutdown
 
+    def peer_policy(self) -> dict[str, frozenset[str]]:
+        return {"/v1/raft": _WORKERS, STREAM_PATH: _WORKERS, CALLS_PATH: ANY_ROLE,
+                "/v1/groups/{gid}/write": ANY_ROLE, "/v1/groups/{gid}/write_batch": ANY_ROLE,
+                "/v1/groups/{gid}/read": ANY_ROLE, "/v1/groups/{gid}/transfer": ANY_ROLE,
+                "/v1/groups/{gid}/members": ANY_ROLE, "/v1/assignments": _META,
+                "/v1/groups/{gid}/snapshot": _WORKERS, "/v1/groups/{gid}/snapshot/{seq}": _WORKERS}
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware], client_max_size=MAX_BODY)
+        keys = self.node.cfg.cluster_keys
+        table = SessionTable(keys, self.node.principal, time.monotonic, revoked=self.node.revoked) \
+            if keys is not None else None
+        self.guard = PeerGuard(table, self.peer_policy(), self.node.log, registry=self.node.metrics.registry)
+        app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware, self.guard.middleware],
+                              client_max_size=MAX_BODY)
         app[NODE_KEY] = self.node
         app[LOGGER_KEY] = self.node.log
         r = app.router
@@ -214,15 +232,27 @@ class WorkerApi:
         return json_response({"id": self.node.id, "groups": self.node.group_reports(),
                               "corrupt": self.node.corrupt})
 
-    def _deliver_raft(self, batch: Any) -> None:
+    def _deliver_raft(self, batch: Any, sender: Principal | None) -> int:
+        """Hand each message to its group; one that names a `src` other than
+        the authenticated sender is dropped (one worker cannot speak for
+        another). Returns how many were dropped so."""
+        dropped = 0
         for raw in batch:
             msg = decode_message(raw)
+            if sender is not None and msg.src != sender.name:
+                dropped += 1
+                self.guard.refused.labels("wrong_sender").inc()
+                self.node.log.warning("raft_message_wrong_sender", sender=str(sender), src=msg.src, group=msg.group)
+                continue
             shell = self.node.groups.get(msg.group)
             if shell is not None:
                 shell.deliver(msg)
+        return dropped
 
     async def raft(self, request: web.Request) -> web.Response:
-        self._deliver_raft(unpackb(await request.read()))
+        sender = peer_of(request)
+        if self._deliver_raft(unpackb(await request.read()), sender):
+            raise auth_refusal("wrong_sender", f"replication messages from {sender} must carry src {sender.name if sender else ''}")
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
@@ -234,7 +264,7 @@ class WorkerApi:
             async for frame in ws:
                 if frame.type == WSMsgType.BINARY:
                     try:
-                        self._deliver_raft(unpack_frame(frame.data))
+                        self._deliver_raft(unpack_frame(frame.data), peer_of(request))
                     except (ValueError, TypeError, KeyError) as exc:
                         self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
                         break

@@ -152,8 +152,11 @@ async def _drain(ws: aiohttp.ClientWebSocketResponse) -> None:
 class Transport:
     """Routes outgoing messages to peers by worker id, resolved through `resolve`."""
 
-    def __init__(self, resolve: Callable[[str], str | None], log: Any, local_addr: str | None = None) -> None:
+    def __init__(self, resolve: Callable[[str], str | None], log: Any, local_addr: str | None = None,
+                 middlewares: tuple[Any, ...] = ()) -> None:
         self._resolve = resolve
+        # The request signer (shardgrid/peerauth_http.py): every session to a peer carries it.
+        self.middlewares = middlewares
         self.local_addr = local_addr
         self._peers: dict[str, _Peer] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -163,7 +166,7 @@ class Transport:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=self.connector(limit=0, limit_per_host=4),
+                connector=self.connector(limit=0, limit_per_host=4), middlewares=self.middlewares,
                 timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S))
         return self._session
 

@@ -105,6 +105,10 @@ class Cluster:
         write_secret(root / "cluster.secret", "tier3-test-secret")
         return cls(root, meta, workers, gateways=gateways)
 
+    @property
+    def secret_path(self) -> Path:
+        return self.root / "cluster.secret"
+
     # -- topology ------------------------------------------------------------------
 
     def topology_yaml(self, shards: int = 3, rf: int = 3, lease_ms: int = 1500, cluster: str = "tier3",
@@ -139,7 +143,7 @@ class Cluster:
         peers = ",".join(f"{p.id}/{p.raft}/{p.http}" for p in self.meta if p.id != m.id)
         argv = [sys.executable, "-m", "shardgrid.cli", "meta", "--id", m.id, "--raft", m.raft, "--http", m.http,
                 "--peers", peers, "--data", str(self.root / "meta" / m.id),
-                "--secret-file", str(self.root / "cluster.secret")]
+                "--secret-file", str(self.secret_path)]
         return Child(m.id, argv, self.root / "logs" / f"{m.id}.log")
 
     def start_meta(self, ids: list[str] | None = None) -> None:
@@ -186,7 +190,8 @@ class Cluster:
     def _worker_child(self, wid: str) -> Child:
         _, http, zone = next(w for w in self.workers if w[0] == wid)
         argv = [sys.executable, "-m", "shardgrid.cli", "worker", "--id", wid, "--http", http,
-                "--meta", self.meta_addrs, "--data", str(self.root / "workers" / wid), "--zone", zone]
+                "--meta", self.meta_addrs, "--data", str(self.root / "workers" / wid), "--zone", zone,
+                "--secret-file", str(self.secret_path)]
         if wid in self.advertise:
             argv += ["--advertise", self.advertise[wid]]
         if wid in self.source:
@@ -205,7 +210,8 @@ class Cluster:
         for i, addr in enumerate(self.gateways):
             name = f"g{i + 1}"
             child = Child(name, [sys.executable, "-m", "shardgrid.cli", "gateway", "--http", addr,
-                                 "--meta", self.meta_addrs], self.root / "logs" / f"{name}.log")
+                                 "--meta", self.meta_addrs, "--id", name, "--secret-file", str(self.secret_path)],
+                          self.root / "logs" / f"{name}.log")
             child.start()
             self.children[name] = child
         for addr in self.gateways:

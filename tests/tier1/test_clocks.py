@@ -18,6 +18,7 @@ WALL_CLOCK = re.compile(r"\btime\.time(_ns)?\(|\bdatetime\.(now|utcnow|today)\(|
 ALLOWED = {
     ("meta/server.py", '"started_ms": int(time.time() * 1000)'): "when an operator started, shown to operators",
     ("worker/process.py", ".removed-{int(time.time())}"): "a removed replica's tombstone directory name",
+    ("meta/server.py", '"at_unix_ms": int(time.time() * 1000)'): "when an admission was refused, shown to operators",
 }
 
 

@@ -16,7 +16,7 @@ class _FakeMeta:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
+    async def register(self, wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0, **_identity: str) -> dict[str, Any]:
         self.calls.append("register")
         return {"ok": True}
 
@@ -142,7 +142,7 @@ async def test_a_refused_registration_is_logged_with_its_reason_and_retried_with
         MetaError(401, "unauthorized", "moving it needs the admin token", {"registered_addr": "127.0.0.1:9"}),
         MetaError(409, "conflict", "still live", {}), MetaError(409, "conflict", "still live", {}), None]
 
-    async def register(wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0) -> dict[str, Any]:
+    async def register(wid: str, addr: str, zone: str | None, ram: int = 0, disk: int = 0, **_identity: str) -> dict[str, Any]:
         fake.calls.append("register")
         answer = answers.pop(0)
         if answer is not None:
