@@ -219,8 +219,8 @@ def render_status(st: dict[str, Any]) -> str:
                      f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-':<12} "
                      f"{'?' if rate is None else f'{rate:.0f}'}")
     lines.append("")
-    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'LIVE':<5} {'GROUPS':>6} {'LEADS':>5} "
-                 f"{'WRITES/S':>8}  CAPACITY")
+    lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'ADMISSION':<9} {'LIVE':<5} {'GROUPS':>6} "
+                 f"{'LEADS':>5} {'WRITES/S':>8}  {'VERSION':<24} CAPACITY")
     for wid, w in sorted(st["workers"].items()):
         live = {True: "yes", False: "no"}.get(w.get("live"), "?")
         offered = [f"{what} {format_bytes(n)}" for what, n in (("ram", w.get("ram_bytes") or 0),
@@ -229,9 +229,20 @@ def render_status(st: dict[str, Any]) -> str:
         leads = [str(gid) for gid, g in st["groups"].items() if g["leader"] == wid]
         led_rates = [rates.get(gid) for gid in leads]
         rate = "?" if any(r is None for r in led_rates) else f"{sum(r for r in led_rates if r is not None):.0f}"
-        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {live:<5} {hosted:>6} "
-                     f"{len(leads):>5} {rate:>8}  {', '.join(offered) or '-'}")
+        lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {w.get('admission', 'admitted'):<9} "
+                     f"{live:<5} {hosted:>6} {len(leads):>5} {rate:>8}  {_software(w):<24} {', '.join(offered) or '-'}")
     lines.append("")
+    if st.get("gateways"):
+        lines.append(f"{'GATEWAY':<24} {'ADDR':<22} {'ADMISSION':<9} {'SEEN':>7}  VERSION")
+        for g in st["gateways"]:
+            seen = f"{g['last_seen_ms_ago'] / 1000:.0f}s ago"
+            lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {_software(g)}")
+        lines.append("")
+    if st.get("refusals"):
+        lines.append("ADMISSION REFUSED (most recent last; by this meta node)")
+        for r in st["refusals"]:
+            lines.append(f"  {r.get('principal') or '?'} from {r.get('addr') or '?'}: {r['reason']}")
+        lines.append("")
     drifted = drift(st.get("topology"), st)
     if drifted:
         # The file pins these groups elsewhere: the controller chose availability
@@ -249,6 +260,12 @@ def render_status(st: dict[str, Any]) -> str:
         for wid, gid, state, why in problems:
             lines.append(f"{wid:<17} {gid:<6} {state:<10} {why}")
     return "\n".join(lines)
+
+
+def _software(rec: dict[str, Any]) -> str:
+    """`version (digest prefix)`: two processes that claim one version but run other code differ here."""
+    version, digest = rec.get("version") or "", rec.get("code_digest") or ""
+    return f"{version or '?'} ({digest[:8]})" if digest else (version or "-")
 
 
 def group_write_rates(st: dict[str, Any]) -> dict[str, float]:
@@ -363,8 +380,16 @@ async def _worker_verb(args: argparse.Namespace, verb: str, after: str) -> int:
 
 
 async def cmd_worker(args: argparse.Namespace) -> int:
-    """`topoctl worker gone W`: W will not come back; replace its replicas now."""
-    return await _worker_verb(args, "gone", "; its replicas are replaced now (topoctl operators shows the moves)")
+    """`topoctl worker gone|revoke|admit W`."""
+    if args.action == "gone":  # W will not come back; replace its replicas now
+        return await _worker_verb(args, "gone", "; its replicas are replaced now (topoctl operators shows the moves)")
+    async with _client(args) as client:
+        res = await client.call("POST", f"/v1/workers/{args.worker}/{args.action}", json={}, admin=True)
+    tail = {"revoke": ": meta and its peers refuse it; its leaderships fail over and its replicas are replaced "
+                      "(topoctl status, topoctl operators)",
+            "admit": ": it may register again and be placed (it keeps nothing it hosted before)"}[args.action]
+    _out(f"{res['worker']}: {res['admission']}{'' if res.get('changed', True) else ' already'}{tail}")
+    return 0
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
@@ -476,8 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("undrain", help="make a drained worker eligible for replicas and leaderships again")
     u.add_argument("worker")
     u.set_defaults(func=cmd_undrain)
-    w = sub.add_parser("worker", help="worker verbs: gone W (it will not come back: replace its replicas now)")
-    w.add_argument("action", choices=["gone"])
+    w = sub.add_parser("worker", help="worker verbs: gone W (it will not come back: replace its replicas now), "
+                                      "revoke W (take its credentials away), admit W (undo a revoke)")
+    w.add_argument("action", choices=["gone", "revoke", "admit"])
     w.add_argument("worker")
     w.set_defaults(func=cmd_worker)
     return p

@@ -83,7 +83,7 @@ def test_status_shows_what_each_worker_offers() -> None:
     st = _with_reports({"w1": ..., "w4": ...})
     st["workers"]["w4"].update(state="available", ram_bytes=8 * 10**9, disk_bytes=50 * 10**9)
     rows = {line.split()[0]: line for line in render_status(st).splitlines() if line.startswith("w")}
-    assert rows["w4"].split(None, 8)[8] == "ram 8 GB, disk 50 GB" and "available" in rows["w4"]
+    assert rows["w4"].split(None, 10)[10] == "ram 8 GB, disk 50 GB" and "available" in rows["w4"]
     assert rows["w1"].rstrip().endswith("-")
 
 
@@ -102,8 +102,28 @@ def test_status_shows_load_per_group_and_per_worker() -> None:
     groups = {ln.split()[0]: ln.split() for ln in lines if ln[:1].isdigit()}
     assert groups["0"][-1] == "120" and groups["1"][-1] == "30" and groups["2"][-1] == "?"  # 2: no report
     workers = {ln.split()[0]: ln.split() for ln in lines if ln.startswith("w")}
-    assert workers["w1"][5:8] == ["2", "1", "120"]  # groups hosted, leaderships, writes/s led
-    assert workers["w2"][5:8] == ["3", "2", "?"]  # it leads group 2, whose rate is unknown
+    assert workers["w1"][6:9] == ["2", "1", "120"]  # groups hosted, leaderships, writes/s led
+    assert workers["w2"][6:9] == ["3", "2", "?"]  # it leads group 2, whose rate is unknown
+
+
+def test_status_shows_admission_software_gateways_and_refusals() -> None:
+    st = {"revision": 3, "topology_revision": 1, "meta_leader": "m1", "topology": None,
+          "meta_nodes": [{"id": "m1", "http": "127.0.0.1:7101", "up": True, "role": "leader", "revision": 3}],
+          "groups": {},
+          "workers": {"w1": {"addr": "a:1", "zone": "a", "state": "active", "admission": "admitted", "live": True,
+                             "version": "0.1.0", "code_digest": "0123456789abcdef"},
+                      "w2": {"addr": "a:2", "zone": "b", "state": "active", "admission": "revoked", "live": False,
+                             "version": "0.1.0", "code_digest": "fedcba9876543210"}},
+          "gateways": [{"id": "g1", "addr": "a:8080", "admission": "admitted", "last_seen_ms_ago": 2000,
+                        "version": "0.1.0", "code_digest": "0123456789abcdef"}],
+          "refusals": [{"principal": "worker:w9", "addr": "10.0.0.9", "reason": "version_mismatch"},
+                       {"principal": None, "addr": "10.0.0.8", "reason": "unknown_credentials"}]}
+    out = render_status(st)
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("w", "g1"))}
+    assert rows["w1"][4] == "admitted" and rows["w2"][4] == "revoked"
+    assert "0.1.0 (01234567)" in out and "0.1.0 (fedcba98)" in out  # same version, other code: visible
+    assert rows["g1"][:3] == ["g1", "a:8080", "admitted"]
+    assert "worker:w9 from 10.0.0.9: version_mismatch" in out and "? from 10.0.0.8: unknown_credentials" in out
 
 
 def _pinned(groups: dict[str, dict], workers: dict[str, dict]) -> dict:
