@@ -245,7 +245,8 @@ class MetaServer:
         return await self.metrics.handle_metrics(request)
 
     async def status(self, request: web.Request) -> web.Response:
-        return json_response(self.raft.status())
+        # Admission refusals are this node's own: a refused process may have asked any meta node.
+        return json_response({**self.raft.status(), "refusals": list(self.refusals)})
 
     def cluster_view(self) -> dict[str, Any]:
         view = self.raft.sm.view()
@@ -257,7 +258,6 @@ class MetaServer:
         view["gateways"] = [{**{k: v for k, v in g.items() if k != "last_seen_ms"},
                              "last_seen_ms_ago": now - g["last_seen_ms"]}
                             for g in sorted(self.gateways.values(), key=lambda g: g["id"])]
-        view["refusals"] = list(self.refusals)
         if self.soft is not None and self.raft.is_leader():
             now, lease = _now_ms(), self._lease_ms()
             for wid, w in view["workers"].items():

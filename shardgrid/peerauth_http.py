@@ -180,8 +180,7 @@ class PeerSigner:
         resp = await req.session.post(origin + HELLO_PATH, headers={HELLO_HEADER: hello.header()},
                                       middlewares=(), ssl=req.ssl,
                                       timeout=aiohttp.ClientTimeout(total=HELLO_TIMEOUT_S))
-        await resp.read()
-        resp.release()
+        await resp.read()  # the body is kept (and the connection freed): a refusal is handed on as the answer
         if resp.status != 200:
             return resp
         try:

@@ -184,13 +184,16 @@ async def gather_status(client: MetaClient) -> dict[str, Any]:
         try:
             st = await client.status(node["http"])
             return {"id": node["id"], "http": node["http"], "up": True, "role": st["role"], "leader": st["leader"],
-                    "revision": st["revision"], "raft_term": st["raft_term"]}
+                    "revision": st["revision"], "raft_term": st["raft_term"], "refusals": st.get("refusals", [])}
         except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
         except Exception as exc:  # noqa: BLE001 - aiohttp raises a family of errors; any means "down"
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
 
     view["meta_nodes"] = list(await asyncio.gather(*(one(n) for n in nodes)))
+    # Each node keeps the admission refusals it answered itself: show them all, oldest first.
+    view["refusals"] = sorted(({**r, "meta": n["id"]} for n in view["meta_nodes"] for r in n.get("refusals", [])),
+                              key=lambda r: r.get("at_unix_ms", 0))
     view["drift"] = [d.to_dict() for d in drift(view.get("topology"), view)]
     return view
 
@@ -239,9 +242,10 @@ def render_status(st: dict[str, Any]) -> str:
             lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {_software(g)}")
         lines.append("")
     if st.get("refusals"):
-        lines.append("ADMISSION REFUSED (most recent last; by this meta node)")
+        lines.append("ADMISSION REFUSED (most recent last)")
         for r in st["refusals"]:
-            lines.append(f"  {r.get('principal') or '?'} from {r.get('addr') or '?'}: {r['reason']}")
+            by = f" (meta {r['meta']})" if r.get("meta") else ""
+            lines.append(f"  {r.get('principal') or '?'} from {r.get('addr') or '?'}: {r['reason']}{by}")
         lines.append("")
     drifted = drift(st.get("topology"), st)
     if drifted:

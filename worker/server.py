@@ -261,10 +261,17 @@ class WorkerApi:
         await ws.prepare(request)
         self._streams.add(ws)
         try:
+            sender = peer_of(request)
             async for frame in ws:
+                if sender is not None and self.node.revoked(sender):
+                    # Authenticated when the stream opened, revoked since: the
+                    # stream ends here and its reconnect is refused.
+                    self.guard.refused.labels("revoked").inc()
+                    self.node.log.warning("raft_stream_revoked", sender=str(sender), peer_addr=request.remote)
+                    break
                 if frame.type == WSMsgType.BINARY:
                     try:
-                        self._deliver_raft(unpack_frame(frame.data), peer_of(request))
+                        self._deliver_raft(unpack_frame(frame.data), sender)
                     except (ValueError, TypeError, KeyError) as exc:
                         self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
                         break

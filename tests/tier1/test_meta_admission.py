@@ -85,7 +85,7 @@ async def test_only_a_worker_with_the_secret_and_an_allowed_version_is_admitted(
             assert r.status == 200 and (await r.json())["admission"] == "admitted"
     rec = server.raft.sm.workers["w7"]
     assert (rec.admission, rec.version, rec.code_digest) == ("admitted", "1.1", "ab" * 16)
-    reasons = [(x["principal"], x["reason"]) for x in server.cluster_view()["refusals"]]
+    reasons = [(x["principal"], x["reason"]) for x in server.refusals]
     assert ("worker:w7", "unknown_credentials") in reasons and ("worker:w7", "version_mismatch") in reasons
 
 

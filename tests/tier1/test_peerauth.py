@@ -104,6 +104,8 @@ async def test_the_wrong_secret_is_refused_at_hello(server: Any) -> None:
     async with client(ClusterKeys(["guess"])) as s:
         async with s.post(srv.make_url("/v1/raft"), data=b"x") as r:  # the hello's refusal is the answer
             assert r.status == 401 and (await r.json())["error"]["reason"] == "unknown_credentials"
+        async with s.post(srv.make_url("/v1/raft"), json={"x": 1}) as r:  # read() too, as MetaClient does
+            assert r.status == 401 and b"unknown_credentials" in await r.read()
     assert srv.app[STORED] == []
 
 

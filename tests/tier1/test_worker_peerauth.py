@@ -129,7 +129,15 @@ async def test_a_revoked_peer_is_refused_from_the_view_that_says_so(worker: Any)
     async with aiohttp.ClientSession(middlewares=(PeerSigner(KEYS, W2),)) as s:
         async with s.post(srv.make_url("/v1/raft"), data=_hb("w2")) as r:
             assert r.status == 204
+        sock = await s.ws_connect(srv.make_url(STREAM_PATH))  # opened before the revoke
         node.view["workers"]["w2"]["admission"] = "revoked"
         async with s.post(srv.make_url("/v1/raft"), data=_hb("w2")) as r:
             assert r.status == 403 and (await r.json())["error"]["reason"] == "revoked"
+        from shardgrid.wire import pack_frames
+        for frame in pack_frames([encode_message(m.Heartbeat(group=0, src="w2", dst="w1", term=1, commit=1,
+                                                             round=0))]):
+            await sock.send_bytes(frame)
+        closed = await sock.receive()  # the worker ends the stream instead of delivering
+        assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+        await sock.close()
     assert len(shell.delivered) == 1
