@@ -128,6 +128,7 @@ class Topology:
                 GroupSpec(id=g["id"], leader=g["leader"], replicas=tuple(g["replicas"])) for g in d["groups"]
             ),
             # Settings missing from an older stored copy take their defaults.
-            settings=Settings(**{**d["settings"], "allowed_versions": tuple(d["settings"].get("allowed_versions", ()))}),
+            settings=Settings(**{**d["settings"],
+                                 "allowed_versions": tuple(d["settings"].get("allowed_versions", ()))}),
             groups_explicit=d["groups_explicit"],
         )

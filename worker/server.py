@@ -252,7 +252,8 @@ class WorkerApi:
     async def raft(self, request: web.Request) -> web.Response:
         sender = peer_of(request)
         if self._deliver_raft(unpackb(await request.read()), sender):
-            raise auth_refusal("wrong_sender", f"replication messages from {sender} must carry src {sender.name if sender else ''}")
+            name = sender.name if sender is not None else ""
+            raise auth_refusal("wrong_sender", f"replication messages from {sender} must carry src {name}")
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
