@@ -756,7 +756,13 @@ class Forwarder:
             nxt = self._after_error(st, reply, gid, target, write=write and not follower)
             if follower and nxt is not Next.DONE:
                 # Any retryable refusal from a replica: the next replica; pause after a full round.
-                nxt = Next.BACKOFF if self._cycle_done(gid, st) else Next.RETRY
+                # Every replica overloaded: answer that now rather than add load until the deadline.
+                if not self._cycle_done(gid, st):
+                    nxt = Next.RETRY
+                elif reply.code == "overloaded":
+                    nxt = Next.DONE
+                else:
+                    nxt = Next.BACKOFF
             if nxt is Next.DONE:
                 return reply
             if nxt is Next.GIVE_UP:
@@ -848,7 +854,7 @@ class Forwarder:
             if not moved:
                 self.cache.nudge()
             st.last_leader = target.wid
-        nxt = after_reply(reply.code, write, hinted_other, reason, moved)
+        nxt = after_reply(reply.code, write, hinted_other, reason, moved, err.get("retry_elsewhere") is True)
         if nxt is not Next.DONE:
             if reply.code == "quorum_timeout" or (write and err.get("maybe_applied") is True):
                 st.maybe_applied = True

@@ -86,6 +86,17 @@ MIN_HEARTBEAT_MS = 20  # however short a lease the topology sets: an idle group 
 # 24's "p99 over the last 100 writes"): recent enough that meta's hot-group
 # relief (meta/hotspot.py) sees a change within seconds under load.
 P99_SAMPLES = 100
+# Client writes and reads one group holds at once, from admission to answer
+# (queued for the loop, in the core waiting for a quorum or a read index):
+# each write of a write_batch counts one. Past either bound a new call is
+# refused at once with `overloaded` (503, nothing queued) instead of growing
+# the queue without limit behind a slow disk or a lost quorum. The count
+# leaves room for several full write_batches (worker/server.py
+# MAX_BATCH_WRITES, 10,000), the bytes (the calls' encoded size) for four
+# of the largest (MAX_WRITE_BYTES, 16 MiB). A call alone is always admitted
+# into an empty group, so no valid call can be refused forever.
+MAX_PENDING = 32_768
+MAX_PENDING_BYTES = 64 << 20
 
 
 def now_ms() -> int:
@@ -116,6 +127,20 @@ class GroupSettings:
     quorum_timeout_ms: int = 2000
     lease_ms: int = 1500
     segment_bytes: int = 64 * 1024 * 1024
+    max_pending: int = MAX_PENDING
+    max_pending_bytes: int = MAX_PENDING_BYTES
+
+
+class GroupOverloaded(Exception):
+    """A client call refused because the group holds its limit of pending
+    calls (`GroupSettings.max_pending`/`max_pending_bytes`); nothing was queued."""
+
+    def __init__(self, gid: int, pending: int, pending_bytes: int, limit: int, limit_bytes: int) -> None:
+        super().__init__(f"group {gid} holds {pending} pending client writes and reads ({pending_bytes} bytes; "
+                         f"limits {limit} and {limit_bytes}): nothing was queued, retry shortly")
+        self.gid = gid
+        self.limit = limit
+        self.limit_bytes = limit_bytes
 
 
 _GONE_MID_WRITE = "%s; a write may still commit under the next leader"
@@ -178,6 +203,7 @@ class PassStats:
 
     passes: int = 0
     events: int = 0
+    overloaded: int = 0  # client calls refused because their group held its limit (GroupOverloaded)
 
 
 @dataclass
@@ -240,6 +266,10 @@ class GroupShell:
         self._pending: dict[int, tuple[asyncio.Future[Outcome], float, Any]] = {}
         self._batched: dict[int, tuple[_BatchWait, int]] = {}  # write_many's writes: req -> (batch, index)
         self._req_ids = itertools.count(1)
+        # Admitted client writes and reads not yet answered, and their bytes (see MAX_PENDING).
+        self.pending_calls = 0
+        self.pending_bytes = 0
+        self.overloaded = 0  # calls refused for it, this group
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
@@ -395,15 +425,36 @@ class GroupShell:
             self._arrived = time.perf_counter()  # one clock read per pass, not per event
         self._queue.put_nowait(event)
 
-    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> Outcome:
-        [out] = await self.write_many([(op, rid)], ack, timeout_s)
+    def _admit(self, n: int, size: int) -> None:
+        """Count `n` client writes or reads of `size` bytes in, or raise GroupOverloaded.
+        The caller gives them back with `_release` once they are answered."""
+        calls, held = self.pending_calls, self.pending_bytes
+        if calls and (calls + n > self.settings.max_pending or held + size > self.settings.max_pending_bytes):
+            self.overloaded += 1
+            self.stats.overloaded += 1
+            if self.overloaded in (1, 10) or self.overloaded % 1000 == 0:
+                self.log.warning("group_overloaded", pending=calls, pending_bytes=held, refused=self.overloaded,
+                                 limit=self.settings.max_pending, limit_bytes=self.settings.max_pending_bytes)
+            raise GroupOverloaded(self.gid, calls, held, self.settings.max_pending, self.settings.max_pending_bytes)
+        self.pending_calls = calls + n
+        self.pending_bytes = held + size
+
+    def _release(self, n: int, size: int) -> None:
+        self.pending_calls -= n
+        self.pending_bytes -= size
+
+    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float, size: int = 0) -> Outcome:
+        """One write; raises BadOp for an invalid op, GroupOverloaded when the group is full."""
+        [out] = await self.write_many([(op, rid)], ack, timeout_s, size)
         if isinstance(out, BadOp):
             raise out  # never enters the log
         return out
 
     async def write_many(self, writes: list[tuple[Any, str | None]], ack: str,
-                         timeout_s: float) -> list[Outcome | BadOp]:
+                         timeout_s: float, size: int = 0) -> list[Outcome | BadOp]:
         """Several writes submitted together: one result each, in order (a BadOp for an invalid op).
+        `size`: their encoded bytes as sent. Raises GroupOverloaded (nothing
+        queued) when the group holds its limit of pending calls.
 
         They reach the core as one event (so they can share one "ops"
         entry) and are waited for as one: the replies fill a `_BatchWait`,
@@ -429,6 +480,12 @@ class GroupShell:
             rids.append(rid)
         if not reqs:
             return batch.results  # type: ignore[return-value]
+        try:
+            self._admit(len(reqs), size)
+        except GroupOverloaded:
+            for req in reqs:
+                del self._batched[req]
+            raise
         batch.left = len(reqs)
         self.deliver(m.ClientWriteMany(tuple(reqs), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
         # A timer that wakes the batch, not wait_for + shield (two more futures
@@ -438,6 +495,7 @@ class GroupShell:
             await batch.fut
         finally:
             timer.cancel()
+            self._release(len(reqs), size)
             timed_out = None
             for req in reqs:
                 slot = self._batched.pop(req, None)
@@ -449,12 +507,19 @@ class GroupShell:
                     batch.results[slot[1]] = timed_out
         return batch.results  # type: ignore[return-value]
 
-    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> Outcome:
+    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float, size: int = 0) -> Outcome:
+        """One read; raises GroupOverloaded (nothing queued) when the group holds its limit of pending calls."""
         deadline = now_ms() + int(timeout_s * 1000)
-        return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
-                                   timeout_s, kind=query)
+        self._admit(1, size)
+        try:
+            return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
+                                       timeout_s, kind=query)
+        finally:
+            self._release(1, size)
 
     async def change_members(self, change: dict[str, str], timeout_s: float) -> Outcome:
+        # Not admitted against max_pending: meta's operators send one at a
+        # time per group, and refusing them would stall a repair under load.
         return await self._request(lambda req: m.ChangeMembership(req=req, **change), timeout_s, kind="members")
 
     async def _request(self, make: Any, timeout_s: float, kind: Any) -> Outcome:
@@ -939,7 +1004,8 @@ class GroupShell:
             "write_rate": round(self.latency.rate(), 1),
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
             "persist_ema_ms": round(self.persist.ema_ms, 3), "persist_p99_ms": round(self.persist.p99(), 3),
-            "in_flight": len(self._pending) + len(self._batched), "voters": list(r.voters), "learners": list(r.learners),
+            "in_flight": len(self._pending) + len(self._batched), "pending_bytes": self.pending_bytes,
+            "overloaded": self.overloaded, "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
             "snapshot_seq": self._last_snapshot_seq, "failed": self.failed, "resyncing": r.resyncing,
             # The snapshot download in flight, if any: meta's operators show its progress.

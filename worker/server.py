@@ -22,6 +22,7 @@ from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, er
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import decode_message
+from worker.group import GroupOverloaded
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -278,9 +279,11 @@ class WorkerApi:
             raise ApiError("bad_request", RID_RULE)
         timeout = _timeout(body)
         try:
-            out = await shell.write(body["op"], ack, rid, timeout)
+            out = await shell.write(body["op"], ack, rid, timeout, size)
         except BadOp as exc:
             raise ApiError("bad_request", exc.message, shard=shell.gid) from None
+        except GroupOverloaded as exc:
+            raise _overloaded(shell, exc, elsewhere=False) from None
         return self._outcome(shell, out)
 
     async def do_write_batch(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
@@ -309,7 +312,10 @@ class WorkerApi:
                 results[i] = error_body("bad_request", RID_RULE)
             else:
                 todo.append((i, w["op"], w.get("rid")))
-        outcomes = await shell.write_many([(op, rid) for _, op, rid in todo], ack, timeout)
+        try:
+            outcomes = await shell.write_many([(op, rid) for _, op, rid in todo], ack, timeout, size)
+        except GroupOverloaded as exc:
+            raise _overloaded(shell, exc, elsewhere=False) from None
         for (i, _, _), out in zip(todo, outcomes):
             if isinstance(out, BadOp):
                 results[i] = error_body("bad_request", out.message, shard=shell.gid)
@@ -329,7 +335,12 @@ class WorkerApi:
         if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 0:
             raise ApiError("bad_request", "min_seq must be a non-negative integer")
         timeout = _timeout(body)
-        out = await shell.read(body["query"], consistency, min_seq, timeout)
+        try:
+            out = await shell.read(body["query"], consistency, min_seq, timeout, size)
+        except GroupOverloaded as exc:
+            # A follower read may go to another replica; a write or a strong
+            # read has only the leader.
+            raise _overloaded(shell, exc, elsewhere=consistency == "follower") from None
         return self._outcome(shell, out)
 
     def _ack(self, body: dict[str, Any]) -> str:
@@ -511,6 +522,14 @@ class WorkerApi:
         finally:
             f.close()
         return resp
+
+
+def _overloaded(shell: Any, exc: GroupOverloaded, elsewhere: bool) -> ApiError:
+    """The 503 for a call refused by a full group: nothing was queued, so any retry is safe."""
+    rep = getattr(shell, "replica", None)
+    return ApiError("overloaded", str(exc), shard=shell.gid, term=rep.term if rep else None,
+                    leader=rep.leader if rep else None, limit=exc.limit,
+                    limit_bytes=exc.limit_bytes, retry_elsewhere=True if elsewhere else None)
 
 
 def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
