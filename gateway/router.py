@@ -91,25 +91,23 @@ class Next(enum.Enum):
 
 
 def after_reply(code: str | None, write: bool, hinted_other: bool, reason: str | None = None,
-                moved: bool = False, elsewhere: bool = False) -> Next:
+                moved: bool = False) -> Next:
     """What to do with a worker's answer (`code` None = success).
 
     `hinted_other`: a `not_leader` named a worker other than the one we asked,
     so retrying at once goes somewhere new; naming itself means "leading soon".
     `reason`: the error's reason; `moved`: the table names another leader (or
-    a newer term) than the worker that answered; `elsewhere`: the refusal
-    says another replica may serve it (`retry_elsewhere`).
+    a newer term) than the worker that answered.
 
-    `overloaded` (the group's queue on that worker is full, nothing was
-    queued) goes to another replica when one may serve it (a follower read)
-    and is otherwise the answer, at once: only that leader can take the
-    request, and retrying it there within the deadline adds load where there
-    is too much already. The client gets the 503 with `retry-after`.
+    `overloaded` (the group's queue on that worker, or the gateway's stream
+    to it, is full; nothing was queued) is the answer, at once: only that
+    leader can take the request, and retrying it there within the deadline
+    adds load where there is too much already. The client gets the 503 with
+    `retry-after`. (A follower read moves on to another replica first:
+    `Forwarder._run`.)
     """
     if code is None:
         return Next.DONE
-    if code == "overloaded":
-        return Next.RETRY if elsewhere else Next.DONE
     if code == "not_leader":
         return Next.RETRY if hinted_other else Next.BACKOFF
     if code == "quorum_timeout" and write:

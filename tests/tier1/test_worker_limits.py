@@ -221,3 +221,52 @@ async def test_refusals_for_a_full_group_are_counted_on_metrics(worker: Worker) 
     worker.node.pass_stats.overloaded = 3
     text = await (await worker.client.get("/metrics")).text()
     assert "shardgrid_worker_overloaded_total 3.0" in text
+
+
+async def test_an_answer_too_large_for_the_stream_fails_only_its_call(worker: Worker, monkeypatch: Any) -> None:
+    from worker import server
+
+    monkeypatch.setattr(server, "MAX_BODY", 10_000)
+    worker.shell.result = "x" * 20_000  # an answer the gateway's stream limit would refuse
+    answers = await _calls(worker, [[1, "write", 0, {"op": OP}], [2, "write_batch", 0, {"writes": [{"op": OP}]}]], 2)
+    assert answers[1][0] == 413 and answers[1][1]["error"]["code"] == "payload_too_large"
+    assert answers[2][0] == 200
+
+
+class _StuckWs:
+    """A call stream whose gateway reads nothing until `go` is set."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.go = asyncio.Event()
+        self.sent: list[bytes] = []
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.go.wait()
+        self.sent.append(data)
+
+
+async def test_a_call_stream_whose_answers_are_not_read_stops_taking_calls(monkeypatch: Any) -> None:
+    # Backpressure: a gateway that sends calls and reads no answers holds at
+    # most MAX_OUTBOX_ANSWERS of them in the worker (the stream reads no
+    # more calls meanwhile), and the stream goes on once it reads again.
+    from worker import server
+
+    monkeypatch.setattr(server, "MAX_OUTBOX_ANSWERS", 4)
+    ws = _StuckWs()
+    out = server._Outbox(ws, structlog.get_logger())  # type: ignore[arg-type]
+    try:
+        out.put([1, 200, {}])
+        await asyncio.sleep(0)  # the writer takes it and blocks on the socket
+        for cid in (2, 3, 4):
+            out.put([cid, 200, {}])
+        assert not out.room.is_set()
+        ws.go.set()
+        await asyncio.wait_for(out.room.wait(), 5)
+        end = asyncio.get_running_loop().time() + 5
+        while len([c for f in ws.sent for c, *_ in unpack_frame(f)]) < 4:
+            assert asyncio.get_running_loop().time() < end, ws.sent
+            await asyncio.sleep(0.005)
+        assert out.held == 0 and not out.items
+    finally:
+        out.close()
