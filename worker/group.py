@@ -52,6 +52,7 @@ from typing import Any, Callable, Protocol
 import aiohttp
 import xxhash
 
+from shardgrid.wire import PACK_ERRORS, packb
 from worker import replica_msgs as m
 from worker.codec import decode_entry, encode_entry
 from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError
@@ -241,6 +242,36 @@ class _LatencyStats:
         return s[max(0, -(-len(s) * 99 // 100) - 1)]
 
 
+class EntrySizes:
+    """The encoded size of log entries, for the core's byte bound on an Append
+    (`ReplicaConfig.max_batch_bytes`), each measured once: an entry goes in
+    an Append to every follower, and again on every retransmission.
+
+    Keyed by (term, seq): only the leader of a term makes an entry at that
+    term, once per seq, so the key names the same entry on every replica
+    and for good (Raft's log matching). The newest `capacity` are kept; an
+    entry measured again after that is only a repeated encode.
+    """
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self.capacity = capacity
+        self._sizes: dict[tuple[int, int], int] = {}
+
+    def __call__(self, e: m.Entry) -> int:
+        key = (e.term, e.seq)
+        n = self._sizes.get(key)
+        if n is None:
+            try:
+                n = len(packb(encode_entry(e)))
+            except PACK_ERRORS:
+                # The WAL refuses it before it could be sent; counted as nothing here.
+                n = 0
+            if len(self._sizes) >= self.capacity:
+                del self._sizes[next(iter(self._sizes))]  # the oldest measured
+            self._sizes[key] = n
+        return n
+
+
 class GroupCorrupt(Exception):
     """This replica's durable state is damaged; it must not serve the group."""
 
@@ -381,7 +412,8 @@ class GroupShell:
                                                                     self.settings.lease_ms // 3)),
                                                snapshot_retry_ms=SNAPSHOT_RETRY_MS,
                                                snapshot_every=self._snapshot_after,
-                                               op_weight=self.plugin.weight), stored)
+                                               op_weight=self.plugin.weight,
+                                               entry_bytes=EntrySizes()), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 

@@ -695,3 +695,19 @@ async def test_a_full_byte_budget_refuses_but_a_call_alone_is_always_admitted(tm
         assert all(o.ok for o in outs) and g.pending_bytes == 0  # type: ignore[union-attr]
     finally:
         await g.close()
+
+
+def test_entry_sizes_are_measured_once_per_term_and_seq_and_bounded() -> None:
+    from shardgrid.wire import packb
+    from worker.codec import encode_entry
+    from worker.group import EntrySizes
+
+    sizes = EntrySizes(capacity=2)
+    e1 = m.Entry(1, 1, "op", {"pad": "x" * 100}, "r1", 1)
+    assert sizes(e1) == len(packb(encode_entry(e1)))
+    assert sizes(m.Entry(1, 1, "op", {}, None, 1)) == sizes(e1)  # (term, seq) names one entry: not measured again
+    sizes(m.Entry(1, 2, "op", {}, None, 1))
+    sizes(m.Entry(1, 3, "op", {}, None, 1))
+    assert len(sizes._sizes) == 2 and (1, 1) not in sizes._sizes  # the oldest measured went first
+    assert sizes(m.Entry(1, 4, "op", {1, 2}, None, 1)) == 0  # unpackable: nothing to send
+
