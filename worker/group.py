@@ -30,13 +30,16 @@ and only then does the WAL's snapshot point move and the log get compacted
 archive may thus exist ahead of the WAL's snapshot point (until Compact, or
 after a crash): it holds committed state, recovery ignores it (it restores the
 snapshot the WAL names), and the next install prunes it. A follower told to download a
-snapshot fetches it by HTTP range requests (resumable), verifies its xxh3-128,
-renames it into place, restores the plugin and reports `SnapshotInstalled`.
+snapshot fetches it by HTTP range requests (resumable), checks it against what
+its source published in the replication message (term, seq, size and xxh3-128:
+SnapshotNeeded, filled in by the sender's shell), renames it into place,
+restores the plugin and reports `SnapshotInstalled`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -50,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import aiohttp
+import orjson
 import xxhash
 
 from shardgrid.wire import PACK_ERRORS, packb
@@ -58,7 +62,8 @@ from worker.codec import decode_entry, encode_entry
 from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError
 from worker.replica import Replica
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
-                              prune_snapshots, restore_snapshot, snapshot_at, write_snapshot)
+                              prune_snapshots, remove_snapshot, restore_snapshot, snapshot_at, valid_count,
+                              valid_digest, write_snapshot)
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import Transport
 from worker.wal import Recovered, Wal, WalFailed
@@ -66,6 +71,7 @@ from worker.wal import Recovered, Wal, WalFailed
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
+MAX_MANIFEST_BYTES = 4096  # a snapshot manifest is four fields
 DOWNLOAD_ATTEMPTS = 8  # in a row without a byte received, before a download gives up (and resumes later)
 DOWNLOAD_CHUNK = 1 << 20
 # A source that serves its limit of snapshot downloads answers busy
@@ -301,6 +307,7 @@ class GroupShell:
         self.pending_calls = 0
         self.pending_bytes = 0
         self.overloaded = 0  # calls refused for it, this group
+        self.snapshot_refused = 0  # snapshot downloads refused: not what their source published
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
@@ -656,7 +663,10 @@ class GroupShell:
             if isinstance(eff, m.Persist):
                 continue
             if isinstance(eff, m.Send):
-                self.transport.send(eff.msg)
+                msg = eff.msg
+                if type(msg) is m.SnapshotNeeded:
+                    msg = self._publish_snapshot(msg)
+                self.transport.send(msg)
             elif isinstance(eff, m.Apply):
                 self._apply(eff.entries)
             elif isinstance(eff, m.Reply):
@@ -914,6 +924,19 @@ class GroupShell:
         self._download = asyncio.create_task(self._download_snapshot(d))
 
     async def _download_snapshot(self, d: m.DownloadSnapshot) -> None:
+        """Fetch the snapshot `d` names, exactly: the (term, seq), size and
+        digest its source published in the replication message
+        (SnapshotNeeded). The manifest and the HTTP answers are only
+        transport; what they claim is checked against that, never trusted.
+        Any refusal ends this try, nothing installed: the core asks again
+        (snapshot_retry_ms), from whichever replica then sends the request."""
+        published = _published(d)
+        if published is None:
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_unpublished", source=d.source, seq=d.seq,
+                             why="the request carries no valid (term, seq, size, digest) to check a download against")
+            return
+        term, seq, size, digest = published
         addr = self.hooks.peer_addr(d.source)
         if addr is None:
             return
@@ -925,9 +948,14 @@ class GroupShell:
                 if resp.status != 200:
                     self.log.warning("snapshot_manifest_failed", source=d.source, status=resp.status)
                     return
-                man = await resp.json()
-            seq, term, size, digest = int(man["seq"]), int(man["term"]), int(man["size"]), str(man["digest"])
-            if seq < d.seq:
+                man = orjson.loads(await _read_bounded(resp, MAX_MANIFEST_BYTES))
+            if not isinstance(man, dict) or (man.get("term"), man.get("seq"), man.get("size"),
+                                             man.get("digest")) != published:
+                # Another snapshot by now (the source took a newer one; the
+                # next request names it), or a source that lies.
+                self.snapshot_refused += 1
+                self.log.warning("snapshot_manifest_mismatch", source=d.source, published=list(published),
+                                 manifest=str(man)[:200])
                 return
             self.snap_dir.mkdir(parents=True, exist_ok=True)
             partial = self.snap_dir / f".download-{seq}-{term}.partial"
@@ -945,14 +973,23 @@ class GroupShell:
             got = await asyncio.to_thread(file_digest, partial)
             if got != digest:
                 partial.unlink(missing_ok=True)
-                self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq)
+                self.snapshot_refused += 1
+                self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq, published=digest, got=got)
                 return
             snap = install_downloaded(self.snap_dir, partial, term, seq, digest)
             self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
                           seconds=round(time.monotonic() - started, 3), busy_waits=progress.busy_waits)
             self.deliver(_Restore(snap))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self.log.warning("snapshot_download_failed", source=d.source, error=f"{type(exc).__name__}: {exc}")
+        except ValueError as exc:  # orjson.JSONDecodeError too: a manifest too large or not JSON
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_manifest_unusable", source=d.source, error=f"{type(exc).__name__}: {exc}")
+        except SourceOverran as exc:
+            # Not the published bytes, whatever they are: start over next time.
+            partial.unlink(missing_ok=True)
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_download_refused", source=d.source, seq=seq, error=str(exc))
         finally:
             self.download = None
 
@@ -986,14 +1023,28 @@ class GroupShell:
                         continue
                     if resp.status not in (200, 206):
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    if resp.status == 206 and not _range_starts_at(resp.headers.get("Content-Range"), have,
+                                                                   progress.total):
+                        raise SourceOverran(f"asked for bytes {have}- of {progress.total}, got "
+                                            f"{str(resp.headers.get('Content-Range'))[:80]!r}")
                     progress.waiting = False
                     busy_pause, busy_until = BUSY_PAUSE_S, time.monotonic() + BUSY_WAIT_S
                     if resp.status == 200:
                         progress.received = 0  # the whole file, from its start
                     with open(partial, "ab" if resp.status == 206 else "wb") as out:
                         async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                            # Never past the published size: a source that
+                            # sends more is refused, not written to disk.
+                            if progress.received + len(chunk) > progress.total:
+                                raise SourceOverran(f"sent more than the published {progress.total} bytes")
                             out.write(chunk)
                             progress.received += len(chunk)
+                    if progress.received < progress.total:
+                        # An answer that ends short without an error is an
+                        # interruption too: asked again at once, it would
+                        # spin for as long as the source keeps doing it.
+                        raise aiohttp.ClientPayloadError(f"the answer ended at byte {progress.received} "
+                                                         f"of {progress.total}")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 failures = 0 if progress.received > have else failures + 1
                 self.log.warning("snapshot_download_interrupted", source=source, attempt=failures, have=have,
@@ -1003,11 +1054,30 @@ class GroupShell:
                 await asyncio.sleep(0.2 * failures)
         return progress.received == progress.total
 
+    def _publish_snapshot(self, msg: m.SnapshotNeeded) -> m.SnapshotNeeded:
+        """`msg` with the size and digest of our archive at its (term, seq):
+        what the receiver checks its download against. Without an archive
+        there (none can be: the core installs a snapshot point only once its
+        archive is durable) it goes as it is, and the receiver downloads nothing."""
+        snap = snapshot_at(self.snap_dir, msg.snap_seq)
+        if snap is None or snap.term != msg.snap_term or not valid_digest(snap.digest):
+            self.log.warning("snapshot_not_published", seq=msg.snap_seq, term=msg.snap_term, to=msg.dst)
+            return msg
+        return dataclasses.replace(msg, digest=snap.digest, size=snap.size)
+
     def _restore_downloaded(self, snap: SnapshotFile, now: int) -> list[m.Effect]:
         assert self.replica is not None
         if not self.replica.accepts_snapshot(snap.seq):
             return []
-        meta = restore_snapshot(snap.path, self.plugin)
+        try:
+            meta = restore_snapshot(snap.path, self.plugin, expect_point=(snap.term, snap.seq))
+        except SnapshotCorrupt as exc:
+            # Checked before the plugin is touched: this replica is as it was.
+            # Only the archive goes; the core asks for a snapshot again.
+            self.snapshot_refused += 1
+            self.log.error("snapshot_download_unusable", seq=snap.seq, error=str(exc))
+            remove_snapshot(snap)
+            return []
         self._last_snapshot_seq = meta.seq
         return self.replica.handle(m.SnapshotInstalled(meta), now)
 
@@ -1044,7 +1114,44 @@ class GroupShell:
             "snapshot_bytes": dl.received if dl is not None else None,
             "snapshot_total": dl.total if dl is not None else None,
             "snapshot_waiting": dl.waiting if dl is not None else False,
+            "snapshot_refused": self.snapshot_refused,
         }
+
+
+class SourceOverran(Exception):
+    """A snapshot source sent other bytes than those asked for (past the
+    published size, or from another offset)."""
+
+
+def _published(d: m.DownloadSnapshot) -> tuple[int, int, int, str] | None:
+    """(term, seq, size, digest) of the snapshot `d` asks for, as its
+    source published them, if every one is there and well-formed."""
+    if not (valid_count(d.snap_term) and valid_count(d.seq) and d.seq > 0 and valid_count(d.size)
+            and valid_digest(d.digest)):
+        return None
+    return d.snap_term, d.seq, d.size, d.digest  # type: ignore[return-value]
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of `resp`, or ValueError once it is past `limit` bytes (read no further)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ValueError(f"a body of {resp.content_length} bytes, over {limit}")
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(limit + 1):
+        buf += chunk
+        if len(buf) > limit:
+            raise ValueError(f"a body over {limit} bytes")
+    return bytes(buf)
+
+
+def _range_starts_at(header: str | None, start: int, total: int) -> bool:
+    """Does a 206's `Content-Range: bytes START-END/TOTAL` start where asked, within the published size?"""
+    if header is None or not header.startswith("bytes "):
+        return False
+    span, _, whole = header[6:].partition("/")
+    first, _, last = span.partition("-")
+    return first.isdigit() and last.isdigit() and int(first) == start and int(last) < total \
+        and (whole == "*" or (whole.isdigit() and int(whole) == total))
 
 
 async def _busy(resp: aiohttp.ClientResponse) -> bool:

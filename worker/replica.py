@@ -1260,7 +1260,7 @@ class Replica:
             # Our fetch source has compacted what we lack.
             if lead.phase == _FETCH and m.src == lead.fetch_src:
                 lead.fetch_heard_at = self._now
-                self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+                self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq, m.snap_term, m.digest, m.size))
                 lead.retry_at = self._now + self._cfg.snapshot_retry_ms
             return
         if not self._accept_term(m):
@@ -1279,7 +1279,7 @@ class Replica:
                 )
             )
             return
-        self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+        self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq, m.snap_term, m.digest, m.size))
 
     def _on_snapshot_installed(self, ev: SnapshotInstalled) -> None:
         meta = ev.meta

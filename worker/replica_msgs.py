@@ -238,10 +238,18 @@ class HeartbeatReply(Message):
 @dataclass(slots=True, frozen=True, kw_only=True)
 class SnapshotNeeded(Message):
     """The sender no longer has the entries the receiver needs: download the
-    sender's snapshot (at least `snap_seq`) and report `SnapshotInstalled`."""
+    sender's snapshot at `snap_seq` and report `SnapshotInstalled`.
+
+    `digest` (xxh3-128 hex) and `size` (bytes) of the archive are set by
+    the sender's shell as it sends (the core knows no files): the
+    downloader checks what it fetches against these, never against what
+    the HTTP answer claims. None from the core; a receiver downloads
+    nothing on a message without them."""
 
     snap_term: int
     snap_seq: int
+    digest: str | None = None
+    size: int | None = None
 
 
 # --------------------------------------------------------------------------
@@ -451,6 +459,11 @@ class DownloadSnapshot:
     source: str
     term: int
     seq: int
+    # What the source published for its archive (SnapshotNeeded): the
+    # download must be exactly this snapshot, of this size and digest.
+    snap_term: int | None = None
+    digest: str | None = None
+    size: int | None = None
 
 
 Effect: TypeAlias = (

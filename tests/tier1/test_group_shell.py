@@ -711,3 +711,35 @@ def test_entry_sizes_are_measured_once_per_term_and_seq_and_bounded() -> None:
     assert len(sizes._sizes) == 2 and (1, 1) not in sizes._sizes  # the oldest measured went first
     assert sizes(m.Entry(1, 4, "op", {1, 2}, None, 1)) == 0  # unpackable: nothing to send
 
+
+async def test_a_downloaded_archive_at_another_point_than_its_name_is_refused_and_the_group_goes_on(
+        tmp_path: Path) -> None:
+    # Its digest matched what the source published, but its header names
+    # another point: refused before the plugin is touched, the archive
+    # removed, and the group serves on (the core asks for a snapshot again).
+    from worker.snapshots import SnapshotFile, file_digest
+
+    b, peers = _follower(tmp_path, GroupSettings(fsync="batch"))
+    b.open()
+    b.start()
+    try:
+        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+        files = tmp_path / "files"
+        files.mkdir()
+        load_plugin("entities").snapshot(files)
+        real = write_snapshot(tmp_path / "elsewhere", m.SnapshotMeta(term=1, seq=9, ts=1), files)
+        b.snap_dir.mkdir(parents=True, exist_ok=True)
+        named = b.snap_dir / "snap-00000000000000000004-0000000001.snap"
+        real.path.replace(named)
+        snap = SnapshotFile(named, 4, 1, named.stat().st_size, file_digest(named))
+        b.deliver(_Restore(snap))
+        await _until(lambda: b.snapshot_refused == 1)
+        assert b.failed is None and not named.exists()
+        assert b.replica is not None and b.replica.applied_seq == 0
+        # Still a working follower: it takes the leader's entries.
+        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
+        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=(m.Entry(1, 1, "term_start", None, None, 1),),
+                           commit=1))
+        await _until(lambda: b.replica is not None and b.replica.applied_seq == 1)
+    finally:
+        await b.close()

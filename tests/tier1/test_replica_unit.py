@@ -1019,6 +1019,11 @@ def test_compact_then_lagging_follower_gets_snapshot() -> None:
     net.run()
     need = [m for m in net.sent(SnapshotNeeded) if m.dst == "c"]
     assert need and net.of("c", DownloadSnapshot)
+    # What the sender's shell publishes with the request reaches the download, untouched.
+    out = net.do("c", SnapshotNeeded(src="a", dst="c", group=0, term=net.r["c"].term, snap_term=need[-1].snap_term,
+                                     snap_seq=5, digest="ab" * 16, size=1234))
+    [dl] = [e for e in out if isinstance(e, DownloadSnapshot)]
+    assert (dl.source, dl.seq, dl.snap_term, dl.digest, dl.size) == ("a", 5, need[-1].snap_term, "ab" * 16, 1234)
     meta = [e for e in net.effects["a"] if isinstance(e, Persist) and e.snapshot][-1].snapshot
     net.do("c", SnapshotInstalled(meta))
     net.run()
