@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 
 import structlog
 
-from shardgrid.wire import error_body, pack_frames, unpack_frame
+from shardgrid.wire import ItemTooLarge, error_body, pack_frames, unpack_frame
 
 if TYPE_CHECKING:
     from gateway.forward import WorkerReply
@@ -32,6 +32,15 @@ CALLS_PATH = "/v1/calls"
 HEARTBEAT_S = 3.0  # as worker/transport.py
 CONNECT_TIMEOUT_S = 1.0
 MAX_FRAME = 64 << 20
+# The outbox of one stream: calls in flight on it (queued for the next
+# flush, being written, or waiting for their answer), and the bytes of
+# frames handed to the socket and not yet written. A worker that reads
+# slowly or not at all fills them; past either, a new call is answered 503
+# `overloaded` at once (nothing sent) instead of growing the gateway's
+# memory until every caller's deadline. The bytes are four of the largest
+# coalesced write_batch calls (forward.MAX_CALL_BYTES, 16 MiB).
+MAX_STREAM_CALLS = 65_536
+MAX_UNSENT_BYTES = 64 << 20
 
 
 class _Stream:
@@ -43,6 +52,15 @@ class _Stream:
         self.outbox: list[Any] = []
         self.flush_scheduled = False
         self.reader: asyncio.Task[None] | None = None
+        self.unsent = 0  # bytes of frames given to send_bytes that it has not finished writing
+
+    def full(self) -> str | None:
+        """Why this stream takes no more calls now (see MAX_STREAM_CALLS), or None."""
+        if len(self.pending) >= MAX_STREAM_CALLS:
+            return f"{len(self.pending)} calls in flight (limit {MAX_STREAM_CALLS})"
+        if self.unsent >= MAX_UNSENT_BYTES:
+            return f"{self.unsent} bytes not yet written to the socket (limit {MAX_UNSENT_BYTES})"
+        return None
 
     def fail_all(self, why: str) -> None:
         broken = ConnectionResetError(why)
@@ -130,9 +148,11 @@ class _Link:
                     fut.set_exception(ConnectionResetError("the stream to the worker closed"))
             return
         # send_bytes only waits when the socket's buffer is full; a task keeps ordering simple.
-        for frame in pack_frames(calls, on_error=lambda call, exc: self._unpackable(st, call, exc)):
+        for frame in pack_frames(calls, on_error=lambda call, exc: self._unpackable(st, call, exc),
+                                 max_item=MAX_FRAME):
+            st.unsent += len(frame)
             task = asyncio.ensure_future(st.ws.send_bytes(frame))
-            task.add_done_callback(_ignore_failure)
+            task.add_done_callback(lambda t, n=len(frame): _sent(st, n, t))
 
     def _unpackable(self, st: _Stream, call: list[Any], exc: Exception) -> None:
         """A call msgpack cannot pack is answered 500 on its own and left out
@@ -141,12 +161,19 @@ class _Link:
         call bodies from JSON it decoded, which always packs, so this is a
         gateway bug, not the client's input."""
         cid, op, gid = call[0], call[1], call[2]
-        self.log.error("worker_call_unpackable", worker=self.url, call=op, group=gid,
-                       error=f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, ItemTooLarge):
+            # The worker's message limit would close the stream and fail every call in flight on it.
+            self.log.warning("worker_call_too_large", worker=self.url, call=op, group=gid, bytes=exc.size)
+            answer = (413, error_body("payload_too_large", f"this call is {exc.size} bytes encoded, over the "
+                                      f"stream's limit of {exc.limit}: split it", shard=gid, limit=exc.limit))
+        else:
+            self.log.error("worker_call_unpackable", worker=self.url, call=op, group=gid,
+                           error=f"{type(exc).__name__}: {exc}")
+            answer = (500, error_body("internal", "the gateway could not encode this call for the worker; "
+                                                  "see the gateway's log", shard=gid))
         fut = st.pending.pop(cid, None)
         if fut is not None and not fut.done():
-            fut.set_result((500, error_body("internal", "the gateway could not encode this call for the worker; "
-                                                        "see the gateway's log", shard=gid)))
+            fut.set_result(answer)
 
     async def close(self) -> None:
         st = self.stream
@@ -161,6 +188,11 @@ def _time_out(fut: asyncio.Future[Any]) -> None:
         fut.set_exception(asyncio.TimeoutError())
 
 
+def _sent(st: _Stream, n: int, task: asyncio.Future[Any]) -> None:
+    st.unsent -= n
+    _ignore_failure(task)
+
+
 def _ignore_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # seen: a broken stream fails its calls through the reader, a failed open its callers
@@ -169,10 +201,12 @@ def _ignore_failure(task: asyncio.Future[Any]) -> None:
 class WorkerCalls:
     """`call(target, op, gid, body, timeout)` -> WorkerReply; transport failures raise AttemptFailed."""
 
-    def __init__(self, session: aiohttp.ClientSession, log: Any = None) -> None:
+    def __init__(self, session: aiohttp.ClientSession, log: Any = None,
+                 on_overloaded: Callable[[], None] | None = None) -> None:
         self.session = session
         self.log = log if log is not None else structlog.get_logger()
         self._links: dict[str, _Link] = {}
+        self.on_overloaded = on_overloaded  # told of each call refused for a full stream (a metric)
 
     async def call(self, target: "Target", op: str, gid: int, body: dict[str, Any],
                    timeout_s: float) -> "WorkerReply":
@@ -195,6 +229,15 @@ class WorkerCalls:
             timeout_s = end - loop.time()
             if timeout_s <= 0:
                 raise AttemptFailed("timeout", False, f"opening the stream to {target.wid} took the whole budget")
+        full = st.full()
+        if full is not None:
+            if self.on_overloaded is not None:
+                self.on_overloaded()
+            self.log.debug("worker_stream_full", worker=target.wid, why=full)
+            # Nothing was sent: another replica may serve it (the forwarder decides), or the client retries.
+            return reply_from(503, {}, error_body("overloaded", f"the gateway's stream to {target.wid} is full: "
+                                                  f"{full}; nothing was sent", shard=gid, retry_elsewhere=True),
+                              target, gid)
         cid, fut = link.submit(st, op, gid, body)
         # A timer on the call's own future, not wait_for (an extra future and
         # callbacks per call).

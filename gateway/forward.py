@@ -79,6 +79,9 @@ class GatewayMetrics:
         self.coalesced = Counter("shardgrid_gateway_coalesced_writes",
                                  "writes sent in a write_batch that carried more than one caller's "
                                  "(a /batch part's put_items counts once)", registry=reg)
+        self.stream_full = Counter("shardgrid_gateway_stream_full",
+                                   "calls answered 503 overloaded by the gateway because its stream to the worker "
+                                   "was full (gateway/calls.py MAX_STREAM_CALLS, MAX_UNSENT_BYTES)", registry=reg)
         self.degraded = Counter("shardgrid_gateway_search_degraded", "searches answered without some shard",
                                 registry=reg)
         self.revision = Gauge("shardgrid_gateway_routing_revision", "meta revision of the routing table",
@@ -754,7 +757,11 @@ class Forwarder:
             if reply.ok:
                 return reply
             nxt = self._after_error(st, reply, gid, target, write=write and not follower)
-            if follower and nxt is not Next.DONE:
+            if follower and reply.code == "overloaded":
+                # Another replica may have room; once every one has refused, that is the answer
+                # now rather than more load until the deadline.
+                nxt = Next.DONE if self._cycle_done(gid, st) else Next.RETRY
+            elif follower and nxt is not Next.DONE:
                 # Any retryable refusal from a replica: the next replica; pause after a full round.
                 nxt = Next.BACKOFF if self._cycle_done(gid, st) else Next.RETRY
             if nxt is Next.DONE:

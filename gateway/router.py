@@ -98,6 +98,13 @@ def after_reply(code: str | None, write: bool, hinted_other: bool, reason: str |
     so retrying at once goes somewhere new; naming itself means "leading soon".
     `reason`: the error's reason; `moved`: the table names another leader (or
     a newer term) than the worker that answered.
+
+    `overloaded` (the group's queue on that worker, or the gateway's stream
+    to it, is full; nothing was queued) is the answer, at once: only that
+    leader can take the request, and retrying it there within the deadline
+    adds load where there is too much already. The client gets the 503 with
+    `retry-after`. (A follower read moves on to another replica first:
+    `Forwarder._run`.)
     """
     if code is None:
         return Next.DONE

@@ -422,8 +422,8 @@ class Gateway:
         session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(), middlewares=signer)
         meta = MetaClient(list(self.cfg.meta), session=session)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
-        self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session, self.log), self.metrics,
-                                                             coalesce=self.cfg.coalesce))
+        calls = WorkerCalls(session, self.log, self.metrics.stream_full.inc)
+        self._rt = _Runtime(session, meta, cache, Forwarder(cache, calls, self.metrics, coalesce=self.cfg.coalesce))
         cache.start()
         if keys is not None:
             self._admission_task = asyncio.create_task(keep_admitted(

@@ -86,21 +86,35 @@ FRAME_BYTES = 1 << 20
 PACK_ERRORS = (TypeError, OverflowError, ValueError)
 
 
+class ItemTooLarge(ValueError):
+    """An item whose encoding is over a stream's `max_item` (`pack_frames`)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes encoded, over the stream's limit of {limit}")
+        self.size = size
+        self.limit = limit
+
+
 def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES,
-                on_error: Callable[[Any, Exception], Any] | None = None) -> Iterator[bytes]:
+                on_error: Callable[[Any, Exception], Any] | None = None,
+                max_item: int | None = None) -> Iterator[bytes]:
     """`items` as frames of at most about `limit` bytes (a larger item gets a frame to itself).
 
     An item msgpack cannot pack raises, unless `on_error` is given: then it
     is called with the item and the error and returns what goes in the
     item's place (None: nothing). A stream's items are independent answers
     or messages, so one bad item must not stop its neighbours, nor the
-    stream's writer task.
+    stream's writer task. With `max_item`, an item encoded larger than that
+    is such an error too (ItemTooLarge): the receiver's message limit would
+    close the stream, and every call in flight on it would fail with it.
     """
     chunk: list[bytes] = []
     size = 0
     for item in items:
         try:
             raw = packb(item)
+            if max_item is not None and len(raw) > max_item:
+                raise ItemTooLarge(len(raw), max_item)
         except PACK_ERRORS as exc:
             if on_error is None:
                 raise

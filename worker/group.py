@@ -30,13 +30,16 @@ and only then does the WAL's snapshot point move and the log get compacted
 archive may thus exist ahead of the WAL's snapshot point (until Compact, or
 after a crash): it holds committed state, recovery ignores it (it restores the
 snapshot the WAL names), and the next install prunes it. A follower told to download a
-snapshot fetches it by HTTP range requests (resumable), verifies its xxh3-128,
-renames it into place, restores the plugin and reports `SnapshotInstalled`.
+snapshot fetches it by HTTP range requests (resumable), checks it against what
+its source published in the replication message (term, seq, size and xxh3-128:
+SnapshotNeeded, filled in by the sender's shell), renames it into place,
+restores the plugin and reports `SnapshotInstalled`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -50,14 +53,17 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import aiohttp
+import orjson
 import xxhash
 
+from shardgrid.wire import PACK_ERRORS, packb
 from worker import replica_msgs as m
 from worker.codec import decode_entry, encode_entry
 from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError
 from worker.replica import Replica
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
-                              prune_snapshots, restore_snapshot, snapshot_at, write_snapshot)
+                              prune_snapshots, remove_snapshot, restore_snapshot, snapshot_at, valid_count,
+                              valid_digest, write_snapshot)
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import Transport
 from worker.wal import Recovered, Wal, WalFailed
@@ -65,6 +71,7 @@ from worker.wal import Recovered, Wal, WalFailed
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
+MAX_MANIFEST_BYTES = 4096  # a snapshot manifest is four fields
 DOWNLOAD_ATTEMPTS = 8  # in a row without a byte received, before a download gives up (and resumes later)
 DOWNLOAD_CHUNK = 1 << 20
 # A source that serves its limit of snapshot downloads answers busy
@@ -86,6 +93,17 @@ MIN_HEARTBEAT_MS = 20  # however short a lease the topology sets: an idle group 
 # 24's "p99 over the last 100 writes"): recent enough that meta's hot-group
 # relief (meta/hotspot.py) sees a change within seconds under load.
 P99_SAMPLES = 100
+# Client writes and reads one group holds at once, from admission to answer
+# (queued for the loop, in the core waiting for a quorum or a read index):
+# each write of a write_batch counts one. Past either bound a new call is
+# refused at once with `overloaded` (503, nothing queued) instead of growing
+# the queue without limit behind a slow disk or a lost quorum. The count
+# leaves room for several full write_batches (worker/server.py
+# MAX_BATCH_WRITES, 10,000), the bytes (the calls' encoded size) for four
+# of the largest (MAX_WRITE_BYTES, 16 MiB). A call alone is always admitted
+# into an empty group, so no valid call can be refused forever.
+MAX_PENDING = 32_768
+MAX_PENDING_BYTES = 64 << 20
 
 
 def now_ms() -> int:
@@ -116,6 +134,20 @@ class GroupSettings:
     quorum_timeout_ms: int = 2000
     lease_ms: int = 1500
     segment_bytes: int = 64 * 1024 * 1024
+    max_pending: int = MAX_PENDING
+    max_pending_bytes: int = MAX_PENDING_BYTES
+
+
+class GroupOverloaded(Exception):
+    """A client call refused because the group holds its limit of pending
+    calls (`GroupSettings.max_pending`/`max_pending_bytes`); nothing was queued."""
+
+    def __init__(self, gid: int, pending: int, pending_bytes: int, limit: int, limit_bytes: int) -> None:
+        super().__init__(f"group {gid} holds {pending} pending client writes and reads ({pending_bytes} bytes; "
+                         f"limits {limit} and {limit_bytes}): nothing was queued, retry shortly")
+        self.gid = gid
+        self.limit = limit
+        self.limit_bytes = limit_bytes
 
 
 _GONE_MID_WRITE = "%s; a write may still commit under the next leader"
@@ -178,6 +210,7 @@ class PassStats:
 
     passes: int = 0
     events: int = 0
+    overloaded: int = 0  # client calls refused because their group held its limit (GroupOverloaded)
 
 
 @dataclass
@@ -215,6 +248,36 @@ class _LatencyStats:
         return s[max(0, -(-len(s) * 99 // 100) - 1)]
 
 
+class EntrySizes:
+    """The encoded size of log entries, for the core's byte bound on an Append
+    (`ReplicaConfig.max_batch_bytes`), each measured once: an entry goes in
+    an Append to every follower, and again on every retransmission.
+
+    Keyed by (term, seq): only the leader of a term makes an entry at that
+    term, once per seq, so the key names the same entry on every replica
+    and for good (Raft's log matching). The newest `capacity` are kept; an
+    entry measured again after that is only a repeated encode.
+    """
+
+    def __init__(self, capacity: int = 65_536) -> None:
+        self.capacity = capacity
+        self._sizes: dict[tuple[int, int], int] = {}
+
+    def __call__(self, e: m.Entry) -> int:
+        key = (e.term, e.seq)
+        n = self._sizes.get(key)
+        if n is None:
+            try:
+                n = len(packb(encode_entry(e)))
+            except PACK_ERRORS:
+                # The WAL refuses it before it could be sent; counted as nothing here.
+                n = 0
+            if len(self._sizes) >= self.capacity:
+                del self._sizes[next(iter(self._sizes))]  # the oldest measured
+            self._sizes[key] = n
+        return n
+
+
 class GroupCorrupt(Exception):
     """This replica's durable state is damaged; it must not serve the group."""
 
@@ -240,6 +303,11 @@ class GroupShell:
         self._pending: dict[int, tuple[asyncio.Future[Outcome], float, Any]] = {}
         self._batched: dict[int, tuple[_BatchWait, int]] = {}  # write_many's writes: req -> (batch, index)
         self._req_ids = itertools.count(1)
+        # Admitted client writes and reads not yet answered, and their bytes (see MAX_PENDING).
+        self.pending_calls = 0
+        self.pending_bytes = 0
+        self.overloaded = 0  # calls refused for it, this group
+        self.snapshot_refused = 0  # snapshot downloads refused: not what their source published
         self._results: OrderedDict[int, Any] = OrderedDict()
         self._results_held = 0  # writes whose results are in _results
         self._plugin_snaps: dict[int, Path] = {}
@@ -351,7 +419,8 @@ class GroupShell:
                                                                     self.settings.lease_ms // 3)),
                                                snapshot_retry_ms=SNAPSHOT_RETRY_MS,
                                                snapshot_every=self._snapshot_after,
-                                               op_weight=self.plugin.weight), stored)
+                                               op_weight=self.plugin.weight,
+                                               entry_bytes=EntrySizes()), stored)
         self.log.info("group_opened", term=hs.term, snap_seq=hs.snap_seq, last_seq=self.replica.last_seq,
                       torn_bytes=rec.recovery.torn_bytes, resync=resync)
 
@@ -395,15 +464,36 @@ class GroupShell:
             self._arrived = time.perf_counter()  # one clock read per pass, not per event
         self._queue.put_nowait(event)
 
-    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> Outcome:
-        [out] = await self.write_many([(op, rid)], ack, timeout_s)
+    def _admit(self, n: int, size: int) -> None:
+        """Count `n` client writes or reads of `size` bytes in, or raise GroupOverloaded.
+        The caller gives them back with `_release` once they are answered."""
+        calls, held = self.pending_calls, self.pending_bytes
+        if calls and (calls + n > self.settings.max_pending or held + size > self.settings.max_pending_bytes):
+            self.overloaded += 1
+            self.stats.overloaded += 1
+            if self.overloaded in (1, 10) or self.overloaded % 1000 == 0:
+                self.log.warning("group_overloaded", pending=calls, pending_bytes=held, refused=self.overloaded,
+                                 limit=self.settings.max_pending, limit_bytes=self.settings.max_pending_bytes)
+            raise GroupOverloaded(self.gid, calls, held, self.settings.max_pending, self.settings.max_pending_bytes)
+        self.pending_calls = calls + n
+        self.pending_bytes = held + size
+
+    def _release(self, n: int, size: int) -> None:
+        self.pending_calls -= n
+        self.pending_bytes -= size
+
+    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float, size: int = 0) -> Outcome:
+        """One write; raises BadOp for an invalid op, GroupOverloaded when the group is full."""
+        [out] = await self.write_many([(op, rid)], ack, timeout_s, size)
         if isinstance(out, BadOp):
             raise out  # never enters the log
         return out
 
     async def write_many(self, writes: list[tuple[Any, str | None]], ack: str,
-                         timeout_s: float) -> list[Outcome | BadOp]:
+                         timeout_s: float, size: int = 0) -> list[Outcome | BadOp]:
         """Several writes submitted together: one result each, in order (a BadOp for an invalid op).
+        `size`: their encoded bytes as sent. Raises GroupOverloaded (nothing
+        queued) when the group holds its limit of pending calls.
 
         They reach the core as one event (so they can share one "ops"
         entry) and are waited for as one: the replies fill a `_BatchWait`,
@@ -429,6 +519,12 @@ class GroupShell:
             rids.append(rid)
         if not reqs:
             return batch.results  # type: ignore[return-value]
+        try:
+            self._admit(len(reqs), size)
+        except GroupOverloaded:
+            for req in reqs:
+                del self._batched[req]
+            raise
         batch.left = len(reqs)
         self.deliver(m.ClientWriteMany(tuple(reqs), tuple(ops), ack, tuple(rids)))  # type: ignore[arg-type]
         # A timer that wakes the batch, not wait_for + shield (two more futures
@@ -438,6 +534,7 @@ class GroupShell:
             await batch.fut
         finally:
             timer.cancel()
+            self._release(len(reqs), size)
             timed_out = None
             for req in reqs:
                 slot = self._batched.pop(req, None)
@@ -449,12 +546,19 @@ class GroupShell:
                     batch.results[slot[1]] = timed_out
         return batch.results  # type: ignore[return-value]
 
-    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> Outcome:
+    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float, size: int = 0) -> Outcome:
+        """One read; raises GroupOverloaded (nothing queued) when the group holds its limit of pending calls."""
         deadline = now_ms() + int(timeout_s * 1000)
-        return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
-                                   timeout_s, kind=query)
+        self._admit(1, size)
+        try:
+            return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
+                                       timeout_s, kind=query)
+        finally:
+            self._release(1, size)
 
     async def change_members(self, change: dict[str, str], timeout_s: float) -> Outcome:
+        # Not admitted against max_pending: meta's operators send one at a
+        # time per group, and refusing them would stall a repair under load.
         return await self._request(lambda req: m.ChangeMembership(req=req, **change), timeout_s, kind="members")
 
     async def _request(self, make: Any, timeout_s: float, kind: Any) -> Outcome:
@@ -559,7 +663,10 @@ class GroupShell:
             if isinstance(eff, m.Persist):
                 continue
             if isinstance(eff, m.Send):
-                self.transport.send(eff.msg)
+                msg = eff.msg
+                if type(msg) is m.SnapshotNeeded:
+                    msg = self._publish_snapshot(msg)
+                self.transport.send(msg)
             elif isinstance(eff, m.Apply):
                 self._apply(eff.entries)
             elif isinstance(eff, m.Reply):
@@ -817,6 +924,19 @@ class GroupShell:
         self._download = asyncio.create_task(self._download_snapshot(d))
 
     async def _download_snapshot(self, d: m.DownloadSnapshot) -> None:
+        """Fetch the snapshot `d` names, exactly: the (term, seq), size and
+        digest its source published in the replication message
+        (SnapshotNeeded). The manifest and the HTTP answers are only
+        transport; what they claim is checked against that, never trusted.
+        Any refusal ends this try, nothing installed: the core asks again
+        (snapshot_retry_ms), from whichever replica then sends the request."""
+        published = _published(d)
+        if published is None:
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_unpublished", source=d.source, seq=d.seq,
+                             why="the request carries no valid (term, seq, size, digest) to check a download against")
+            return
+        term, seq, size, digest = published
         addr = self.hooks.peer_addr(d.source)
         if addr is None:
             return
@@ -829,9 +949,14 @@ class GroupShell:
                 if resp.status != 200:
                     self.log.warning("snapshot_manifest_failed", source=d.source, status=resp.status)
                     return
-                man = await resp.json()
-            seq, term, size, digest = int(man["seq"]), int(man["term"]), int(man["size"]), str(man["digest"])
-            if seq < d.seq:
+                man = orjson.loads(await _read_bounded(resp, MAX_MANIFEST_BYTES))
+            if not isinstance(man, dict) or (man.get("term"), man.get("seq"), man.get("size"),
+                                             man.get("digest")) != published:
+                # Another snapshot by now (the source took a newer one; the
+                # next request names it), or a source that lies.
+                self.snapshot_refused += 1
+                self.log.warning("snapshot_manifest_mismatch", source=d.source, published=list(published),
+                                 manifest=str(man)[:200])
                 return
             self.snap_dir.mkdir(parents=True, exist_ok=True)
             partial = self.snap_dir / f".download-{seq}-{term}.partial"
@@ -849,14 +974,23 @@ class GroupShell:
             got = await asyncio.to_thread(file_digest, partial)
             if got != digest:
                 partial.unlink(missing_ok=True)
-                self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq)
+                self.snapshot_refused += 1
+                self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq, published=digest, got=got)
                 return
             snap = install_downloaded(self.snap_dir, partial, term, seq, digest)
             self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
                           seconds=round(time.monotonic() - started, 3), busy_waits=progress.busy_waits)
             self.deliver(_Restore(snap))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, KeyError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self.log.warning("snapshot_download_failed", source=d.source, error=f"{type(exc).__name__}: {exc}")
+        except ValueError as exc:  # orjson.JSONDecodeError too: a manifest too large or not JSON
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_manifest_unusable", source=d.source, error=f"{type(exc).__name__}: {exc}")
+        except SourceOverran as exc:
+            # Not the published bytes, whatever they are: start over next time.
+            partial.unlink(missing_ok=True)
+            self.snapshot_refused += 1
+            self.log.warning("snapshot_download_refused", source=d.source, seq=seq, error=str(exc))
         finally:
             self.download = None
 
@@ -890,14 +1024,28 @@ class GroupShell:
                         continue
                     if resp.status not in (200, 206):
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    if resp.status == 206 and not _range_starts_at(resp.headers.get("Content-Range"), have,
+                                                                   progress.total):
+                        raise SourceOverran(f"asked for bytes {have}- of {progress.total}, got "
+                                            f"{str(resp.headers.get('Content-Range'))[:80]!r}")
                     progress.waiting = False
                     busy_pause, busy_until = BUSY_PAUSE_S, time.monotonic() + BUSY_WAIT_S
                     if resp.status == 200:
                         progress.received = 0  # the whole file, from its start
                     with open(partial, "ab" if resp.status == 206 else "wb") as out:
                         async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                            # Never past the published size: a source that
+                            # sends more is refused, not written to disk.
+                            if progress.received + len(chunk) > progress.total:
+                                raise SourceOverran(f"sent more than the published {progress.total} bytes")
                             out.write(chunk)
                             progress.received += len(chunk)
+                    if progress.received < progress.total:
+                        # An answer that ends short without an error is an
+                        # interruption too: asked again at once, it would
+                        # spin for as long as the source keeps doing it.
+                        raise aiohttp.ClientPayloadError(f"the answer ended at byte {progress.received} "
+                                                         f"of {progress.total}")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 failures = 0 if progress.received > have else failures + 1
                 self.log.warning("snapshot_download_interrupted", source=source, attempt=failures, have=have,
@@ -907,11 +1055,30 @@ class GroupShell:
                 await asyncio.sleep(0.2 * failures)
         return progress.received == progress.total
 
+    def _publish_snapshot(self, msg: m.SnapshotNeeded) -> m.SnapshotNeeded:
+        """`msg` with the size and digest of our archive at its (term, seq):
+        what the receiver checks its download against. Without an archive
+        there (none can be: the core installs a snapshot point only once its
+        archive is durable) it goes as it is, and the receiver downloads nothing."""
+        snap = snapshot_at(self.snap_dir, msg.snap_seq)
+        if snap is None or snap.term != msg.snap_term or not valid_digest(snap.digest):
+            self.log.warning("snapshot_not_published", seq=msg.snap_seq, term=msg.snap_term, to=msg.dst)
+            return msg
+        return dataclasses.replace(msg, digest=snap.digest, size=snap.size)
+
     def _restore_downloaded(self, snap: SnapshotFile, now: int) -> list[m.Effect]:
         assert self.replica is not None
         if not self.replica.accepts_snapshot(snap.seq):
             return []
-        meta = restore_snapshot(snap.path, self.plugin)
+        try:
+            meta = restore_snapshot(snap.path, self.plugin, expect_point=(snap.term, snap.seq))
+        except SnapshotCorrupt as exc:
+            # Checked before the plugin is touched: this replica is as it was.
+            # Only the archive goes; the core asks for a snapshot again.
+            self.snapshot_refused += 1
+            self.log.error("snapshot_download_unusable", seq=snap.seq, error=str(exc))
+            remove_snapshot(snap)
+            return []
         self._last_snapshot_seq = meta.seq
         return self.replica.handle(m.SnapshotInstalled(meta), now)
 
@@ -940,14 +1107,52 @@ class GroupShell:
             "write_rate": round(self.latency.rate(), 1),
             "latency_ema_ms": round(self.latency.ema_ms, 3), "latency_p99_ms": round(self.latency.p99(), 3),
             "persist_ema_ms": round(self.persist.ema_ms, 3), "persist_p99_ms": round(self.persist.p99(), 3),
-            "in_flight": len(self._pending) + len(self._batched), "voters": list(r.voters), "learners": list(r.learners),
+            "in_flight": len(self._pending) + len(self._batched), "pending_bytes": self.pending_bytes,
+            "overloaded": self.overloaded, "voters": list(r.voters), "learners": list(r.learners),
             "config_seq": r.config_seq,
             "snapshot_seq": self._last_snapshot_seq, "failed": self.failed, "resyncing": r.resyncing,
             # The snapshot download in flight, if any: meta's operators show its progress.
             "snapshot_bytes": dl.received if dl is not None else None,
             "snapshot_total": dl.total if dl is not None else None,
             "snapshot_waiting": dl.waiting if dl is not None else False,
+            "snapshot_refused": self.snapshot_refused,
         }
+
+
+class SourceOverran(Exception):
+    """A snapshot source sent other bytes than those asked for (past the
+    published size, or from another offset)."""
+
+
+def _published(d: m.DownloadSnapshot) -> tuple[int, int, int, str] | None:
+    """(term, seq, size, digest) of the snapshot `d` asks for, as its
+    source published them, if every one is there and well-formed."""
+    if not (valid_count(d.snap_term) and valid_count(d.seq) and d.seq > 0 and valid_count(d.size)
+            and valid_digest(d.digest)):
+        return None
+    return d.snap_term, d.seq, d.size, d.digest  # type: ignore[return-value]
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of `resp`, or ValueError once it is past `limit` bytes (read no further)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ValueError(f"a body of {resp.content_length} bytes, over {limit}")
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(limit + 1):
+        buf += chunk
+        if len(buf) > limit:
+            raise ValueError(f"a body over {limit} bytes")
+    return bytes(buf)
+
+
+def _range_starts_at(header: str | None, start: int, total: int) -> bool:
+    """Does a 206's `Content-Range: bytes START-END/TOTAL` start where asked, within the published size?"""
+    if header is None or not header.startswith("bytes "):
+        return False
+    span, _, whole = header[6:].partition("/")
+    first, _, last = span.partition("-")
+    return first.isdigit() and last.isdigit() and int(first) == start and int(last) < total \
+        and (whole == "*" or (whole.isdigit() and int(whole) == total))
 
 
 async def _busy(resp: aiohttp.ClientResponse) -> bool:

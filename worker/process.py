@@ -93,7 +93,9 @@ class _BatchingCollector:
                                     self.sends.frames),
                 CounterMetricFamily("shardgrid_worker_peer_unpackable", "replication messages dropped because "
                                     "msgpack could not pack them (a bug; the log says which peer)",
-                                    self.sends.unpackable)]
+                                    self.sends.unpackable),
+                CounterMetricFamily("shardgrid_worker_overloaded", "client calls refused 503 overloaded because "
+                                    "their group held its limit of pending writes and reads", self.passes.overloaded)]
 
 
 class WorkerNode:

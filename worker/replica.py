@@ -481,15 +481,23 @@ class Replica:
 
     def _batch_from(self, lo: int) -> list[Entry]:
         """The entries one Append or FetchReply carries from `lo`: at most
-        `max_batch_entries`, and at most `max_batch_ops` client writes (an
-        "ops" entry counts its ops) unless the first entry alone has more,
-        so a lagging follower is caught up in bounded messages."""
+        `max_batch_entries`, at most `max_batch_ops` client writes (an
+        "ops" entry counts its ops) and at most `max_batch_bytes` encoded
+        (when `entry_bytes` measures them), unless the first entry alone
+        is over, so a lagging follower is caught up in bounded messages."""
         batch = self.entries(lo, lo + self._cfg.max_batch_entries - 1)
         budget = self._cfg.max_batch_ops
+        # A lone entry goes whatever its size: not measured.
+        size_of = self._cfg.entry_bytes if len(batch) > 1 else None
+        room = self._cfg.max_batch_bytes
         for i, e in enumerate(batch):
             budget -= self._writes_in(e) or 1
             if budget < 0 and i > 0:
                 return batch[:i]
+            if size_of is not None:
+                room -= size_of(e)
+                if room < 0 and i > 0:
+                    return batch[:i]
         return batch
 
     # ------------------------------------------------------------------
@@ -1252,7 +1260,7 @@ class Replica:
             # Our fetch source has compacted what we lack.
             if lead.phase == _FETCH and m.src == lead.fetch_src:
                 lead.fetch_heard_at = self._now
-                self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+                self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq, m.snap_term, m.digest, m.size))
                 lead.retry_at = self._now + self._cfg.snapshot_retry_ms
             return
         if not self._accept_term(m):
@@ -1271,7 +1279,7 @@ class Replica:
                 )
             )
             return
-        self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq))
+        self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq, m.snap_term, m.digest, m.size))
 
     def _on_snapshot_installed(self, ev: SnapshotInstalled) -> None:
         meta = ev.meta

@@ -127,6 +127,15 @@ class ReplicaConfig:
     quorum_timeout_ms: int = 2000
     max_batch_entries: int = 1024
     max_batch_ops: int = 4096  # client writes per Append/FetchReply ("ops" entries count each op)
+    # Encoded bytes of the entries one Append/FetchReply carries (an entry
+    # alone over it still goes, by itself), measured with `entry_bytes`
+    # (None: not measured, the counts above only). A receiver refuses a
+    # stream message over 64 MiB (worker/server.py MAX_BODY): a lagging
+    # follower's 1024 entries of up to 16 MiB each could never reach it.
+    # 8 MiB keeps one Append far below that, and twice the largest
+    # coalesced call (16 MiB) still goes alone.
+    max_batch_bytes: int = 8 << 20
+    entry_bytes: Callable[[Entry], int] | None = None
     dedup_window_ms: int = 10 * 60 * 1000
     dedup_max: int = 100_000
     transfer_timeout_ms: int = 3000
@@ -229,10 +238,18 @@ class HeartbeatReply(Message):
 @dataclass(slots=True, frozen=True, kw_only=True)
 class SnapshotNeeded(Message):
     """The sender no longer has the entries the receiver needs: download the
-    sender's snapshot (at least `snap_seq`) and report `SnapshotInstalled`."""
+    sender's snapshot at `snap_seq` and report `SnapshotInstalled`.
+
+    `digest` (xxh3-128 hex) and `size` (bytes) of the archive are set by
+    the sender's shell as it sends (the core knows no files): the
+    downloader checks what it fetches against these, never against what
+    the HTTP answer claims. None from the core; a receiver downloads
+    nothing on a message without them."""
 
     snap_term: int
     snap_seq: int
+    digest: str | None = None
+    size: int | None = None
 
 
 # --------------------------------------------------------------------------
@@ -442,6 +459,11 @@ class DownloadSnapshot:
     source: str
     term: int
     seq: int
+    # What the source published for its archive (SnapshotNeeded): the
+    # download must be exactly this snapshot, of this size and digest.
+    snap_term: int | None = None
+    digest: str | None = None
+    size: int | None = None
 
 
 Effect: TypeAlias = (

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, error_middleware, json_response, \
-    pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
 from shardgrid.peerauth import Principal, SessionTable
 from shardgrid.peerauth_http import ANY_ROLE, PeerGuard, peer_of
 from shardgrid.peerauth_http import refusal as auth_refusal
+from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, error_body, error_middleware, \
+    json_response, pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import decode_message
+from worker.group import GroupOverloaded
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -122,6 +123,12 @@ class CallResult:
     seq: int = 0
 
 
+# Answers one call stream holds for its writer. Past it the stream reads no
+# more calls until the writer catches up: a gateway that sends calls and
+# does not read the answers must not grow this worker's memory without end.
+MAX_OUTBOX_ANSWERS = 65_536
+
+
 class _Outbox:
     """Answers for one call stream, written by one task: those ready together share a frame."""
 
@@ -130,33 +137,50 @@ class _Outbox:
         self.log = log
         self.items: list[Any] = []
         self.wake = asyncio.Event()
+        self.room = asyncio.Event()  # set while fewer than MAX_OUTBOX_ANSWERS wait
+        self.room.set()
+        self.held = 0  # answers taken by the writer and not yet written
         self.task = asyncio.create_task(self._run())
 
     def put(self, item: Any) -> None:
         self.items.append(item)
+        if len(self.items) + self.held >= MAX_OUTBOX_ANSWERS:
+            self.room.clear()
         self.wake.set()
 
     async def _run(self) -> None:
-        while not self.ws.closed:
-            await self.wake.wait()
-            self.wake.clear()
-            while self.items:
-                items, self.items = self.items, []
-                try:
-                    for frame in pack_frames(items, on_error=self._unpackable):
-                        await self.ws.send_bytes(frame)
-                except (ConnectionError, RuntimeError):
-                    return  # the gateway went away; its calls fail over on its side
+        try:
+            while not self.ws.closed:
+                await self.wake.wait()
+                self.wake.clear()
+                while self.items:
+                    items, self.items = self.items, []
+                    self.held = len(items)
+                    try:
+                        for frame in pack_frames(items, on_error=self._unpackable, max_item=MAX_BODY):
+                            await self.ws.send_bytes(frame)
+                    except (ConnectionError, RuntimeError):
+                        return  # the gateway went away; its calls fail over on its side
+                    self.held = 0
+                    if len(self.items) < MAX_OUTBOX_ANSWERS:
+                        self.room.set()
+        finally:
+            self.room.set()  # the reader must not wait on a writer that is gone
 
     def _unpackable(self, item: Any, exc: Exception) -> Any:
         """The stand-in for an answer msgpack cannot pack: a 500 for that call
         alone. Raising would end this task, and every later answer on the
         stream would be lost with it."""
         cid = item[0] if isinstance(item, list) and item else None
-        self.log.error("call_answer_unpackable", call_id=cid if isinstance(cid, int) else None,
-                       error=f"{type(exc).__name__}: {exc}")
         if not isinstance(cid, int):
+            self.log.error("call_answer_unpackable", call_id=None, error=f"{type(exc).__name__}: {exc}")
             return None  # no call to answer: the gateway times it out
+        if isinstance(exc, ItemTooLarge):
+            # A query's answer (a search's k, a huge document): the caller's to narrow, not a bug.
+            self.log.warning("call_answer_too_large", call_id=cid, bytes=exc.size, limit=exc.limit)
+            return [cid, 413, error_body("payload_too_large", f"the answer is {exc.size} bytes encoded, over the "
+                                         f"call stream's limit of {exc.limit}: ask for less", limit=exc.limit)]
+        self.log.error("call_answer_unpackable", call_id=cid, error=f"{type(exc).__name__}: {exc}")
         return [cid, 500, error_body("internal", "the answer could not be encoded; see the worker's log")]
 
     def close(self) -> None:
@@ -316,9 +340,11 @@ class WorkerApi:
             raise ApiError("bad_request", RID_RULE)
         timeout = _timeout(body)
         try:
-            out = await shell.write(body["op"], ack, rid, timeout)
+            out = await shell.write(body["op"], ack, rid, timeout, size)
         except BadOp as exc:
             raise ApiError("bad_request", exc.message, shard=shell.gid) from None
+        except GroupOverloaded as exc:
+            raise _overloaded(shell, exc, elsewhere=False) from None
         return self._outcome(shell, out)
 
     async def do_write_batch(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
@@ -347,7 +373,10 @@ class WorkerApi:
                 results[i] = error_body("bad_request", RID_RULE)
             else:
                 todo.append((i, w["op"], w.get("rid")))
-        outcomes = await shell.write_many([(op, rid) for _, op, rid in todo], ack, timeout)
+        try:
+            outcomes = await shell.write_many([(op, rid) for _, op, rid in todo], ack, timeout, size)
+        except GroupOverloaded as exc:
+            raise _overloaded(shell, exc, elsewhere=False) from None
         for (i, _, _), out in zip(todo, outcomes):
             if isinstance(out, BadOp):
                 results[i] = error_body("bad_request", out.message, shard=shell.gid)
@@ -367,7 +396,12 @@ class WorkerApi:
         if not isinstance(min_seq, int) or isinstance(min_seq, bool) or min_seq < 0:
             raise ApiError("bad_request", "min_seq must be a non-negative integer")
         timeout = _timeout(body)
-        out = await shell.read(body["query"], consistency, min_seq, timeout)
+        try:
+            out = await shell.read(body["query"], consistency, min_seq, timeout, size)
+        except GroupOverloaded as exc:
+            # A follower read may go to another replica; a write or a strong
+            # read has only the leader.
+            raise _overloaded(shell, exc, elsewhere=consistency == "follower") from None
         return self._outcome(shell, out)
 
     def _ack(self, body: dict[str, Any]) -> str:
@@ -406,6 +440,8 @@ class WorkerApi:
             async for frame in ws:
                 if frame.type != WSMsgType.BINARY:
                     continue
+                if not out.room.is_set():
+                    await out.room.wait()
                 try:
                     batch = unpack_frame_sized(frame.data)
                 except ValueError as exc:
@@ -549,6 +585,14 @@ class WorkerApi:
         finally:
             f.close()
         return resp
+
+
+def _overloaded(shell: Any, exc: GroupOverloaded, elsewhere: bool) -> ApiError:
+    """The 503 for a call refused by a full group: nothing was queued, so any retry is safe."""
+    rep = getattr(shell, "replica", None)
+    return ApiError("overloaded", str(exc), shard=shell.gid, term=rep.term if rep else None,
+                    leader=rep.leader if rep else None, limit=exc.limit,
+                    limit_bytes=exc.limit_bytes, retry_elsewhere=True if elsewhere else None)
 
 
 def _byte_range(request: web.Request, size: int) -> tuple[int, int]:

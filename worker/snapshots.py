@@ -7,8 +7,11 @@ so that a learner can download it with HTTP range requests and resume:
     b"SGSNAP1\n" | u32 header length | msgpack {meta, files: [[name, size]...]} | file bytes...
 
 Its xxh3-128 digest is computed once at write time and kept beside it
-(`.xxh3`); a downloader verifies the whole file against it before renaming
-the temp file into place. Files are written to a temp name, fsynced and
+(`.xxh3`); its holder publishes it with the replication message that sends a
+learner to download it, and the learner verifies the whole file against that
+before renaming the temp file into place. Every field of an archive's header
+is checked before a plugin sees a byte of it (`_read_header`): it may come
+from a peer. Files are written to a temp name, fsynced and
 renamed, so a crash leaves either the old snapshot or the new one.
 """
 from __future__ import annotations
@@ -30,6 +33,31 @@ MAGIC = b"SGSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
 _CHUNK = 1 << 20
 _SYNC_EVERY = 4 << 20
+# An archive's header: its meta (the dedup table, up to dedup_max triples,
+# a few MB) and file list. A length past this is damage or a hostile file,
+# not a header to read into memory.
+MAX_HEADER = 256 << 20
+MAX_FILE_NAME = 255
+_DIGEST_CHARS = frozenset("0123456789abcdef")
+
+
+def valid_digest(value: object) -> bool:
+    """Is `value` an xxh3-128 hex digest as `file_digest` writes it?"""
+    return isinstance(value, str) and len(value) == 32 and set(value) <= _DIGEST_CHARS
+
+
+def valid_count(value: object) -> bool:
+    """A term, seq or size from a peer or a file: a plain non-negative int (not a bool)."""
+    return type(value) is int and value >= 0
+
+
+def check_file_name(name: object) -> str:
+    """A plugin file's name from an archive, or SnapshotCorrupt: one plain
+    name inside the restore directory, never a path out of it."""
+    if not isinstance(name, str) or not name or len(name) > MAX_FILE_NAME or name.startswith(".") \
+            or any(c in name for c in ("/", "\\", "\x00")) or name != os.path.basename(name):
+        raise SnapshotCorrupt(f"bad file name {str(name)[:80]!r} in snapshot")
+    return name
 
 
 class SnapshotCorrupt(Exception):
@@ -152,8 +180,10 @@ def list_snapshots(snap_dir: Path) -> list[SnapshotFile]:
         side = p.with_name(p.name + ".xxh3")
         if not side.exists():
             continue  # its digest never made it to disk: not a finished snapshot
-        _, seq, term = p.stem.split("-")
-        out.append(SnapshotFile(p, int(seq), int(term), p.stat().st_size, side.read_text().strip()))
+        parts = p.stem.split("-")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            continue  # not a name this module writes (_name)
+        out.append(SnapshotFile(p, int(parts[1]), int(parts[2]), p.stat().st_size, side.read_text().strip()))
     return sorted(out, key=lambda s: s.seq)
 
 
@@ -168,30 +198,75 @@ def read_meta(path: Path) -> SnapshotMeta:
     return meta
 
 
-def _read_header(f: BinaryIO) -> tuple[SnapshotMeta, list[list[object]]]:
+def _read_header(f: BinaryIO) -> tuple[SnapshotMeta, list[tuple[str, int]]]:
+    """The archive's meta and its (name, size) files, each checked, or
+    SnapshotCorrupt. The file sizes must add up to the archive's length:
+    no file reads past its end, and nothing follows the last."""
     if f.read(len(MAGIC)) != MAGIC:
         raise SnapshotCorrupt("not a shardgrid snapshot (bad magic)")
     raw_len = f.read(_HEADER_LEN.size)
     if len(raw_len) != _HEADER_LEN.size:
         raise SnapshotCorrupt("truncated snapshot header")
     (hlen,) = _HEADER_LEN.unpack(raw_len)
+    total = os.fstat(f.fileno()).st_size
+    start = len(MAGIC) + _HEADER_LEN.size
+    if hlen > MAX_HEADER or start + hlen > total:
+        raise SnapshotCorrupt(f"snapshot header of {hlen} bytes in a file of {total}")
     try:
         header = unpackb(f.read(hlen))
-        return decode_snapshot_meta(header["meta"]), header["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SnapshotCorrupt(f"unreadable snapshot header: {exc}") from None
+        meta = decode_snapshot_meta(header["meta"])
+        raw_files = header["files"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise SnapshotCorrupt(f"unreadable snapshot header: {type(exc).__name__}: {exc}") from None
+    _check_meta(meta)
+    if not isinstance(raw_files, list):
+        raise SnapshotCorrupt("snapshot header: files is not a list")
+    files: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for item in raw_files:
+        if not isinstance(item, list) or len(item) != 2 or not valid_count(item[1]):
+            raise SnapshotCorrupt(f"snapshot header: bad file entry {str(item)[:80]}")
+        name = check_file_name(item[0])
+        if name in seen:
+            raise SnapshotCorrupt(f"snapshot header: file {name!r} twice")
+        seen.add(name)
+        files.append((name, item[1]))
+    if start + hlen + sum(size for _, size in files) != total:
+        raise SnapshotCorrupt(f"snapshot files add up to {sum(size for _, size in files)} bytes, the archive "
+                              f"holds {total - start - hlen} after its header")
+    return meta, files
 
 
-def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None = None) -> SnapshotMeta:
-    """Verify (when a digest is given), unpack and restore `plugin` from `path`."""
+def _check_meta(meta: SnapshotMeta) -> None:
+    # ts is log time (worker/replica.py): an int, of any sign.
+    if not (valid_count(meta.term) and valid_count(meta.seq) and valid_count(meta.config_seq)
+            and type(meta.ts) is int):
+        raise SnapshotCorrupt(f"snapshot meta: term, seq, config_seq must be ints >= 0 and ts an int, got "
+                              f"{meta.term!r}, {meta.seq!r}, {meta.config_seq!r}, {meta.ts!r}")
+    if meta.config_seq > meta.seq:
+        raise SnapshotCorrupt(f"snapshot meta: config_seq {meta.config_seq} is past its seq {meta.seq}")
+    for rid, seq, ts in meta.dedup:
+        if not isinstance(rid, str) or not valid_count(seq) or seq > meta.seq or type(ts) is not int:
+            raise SnapshotCorrupt(f"snapshot meta: bad dedup entry {str((rid, seq, ts))[:80]}")
+    if meta.config is not None and not all(isinstance(w, str) and w for w in meta.config.voters + meta.config.learners):
+        raise SnapshotCorrupt("snapshot meta: a config member is not a worker id")
+
+
+def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None = None,
+                     expect_point: tuple[int, int] | None = None) -> SnapshotMeta:
+    """Verify (when a digest is given), unpack and restore `plugin` from `path`.
+
+    `expect_point`: the (term, seq) the archive must be at (what its name
+    and its source said); checked, like every field of the header, before
+    the plugin is touched. Raises SnapshotCorrupt."""
     if expect_digest is not None and file_digest(path) != expect_digest:
         raise SnapshotCorrupt(f"{path.name}: xxh3-128 mismatch")
     with open(path, "rb") as f, tempfile.TemporaryDirectory(dir=path.parent, prefix=".restore-") as tmp:
         meta, files = _read_header(f)
+        if expect_point is not None and (meta.term, meta.seq) != expect_point:
+            raise SnapshotCorrupt(f"{path.name} holds the snapshot at (term, seq) ({meta.term}, {meta.seq}), "
+                                  f"not {expect_point}")
         for name, size in files:
-            name, size = str(name), int(size)  # type: ignore[call-overload]
-            if "/" in name or name.startswith("."):
-                raise SnapshotCorrupt(f"bad file name {name!r} in snapshot")
             with open(Path(tmp) / name, "wb") as out:
                 remaining = size
                 while remaining:

@@ -254,6 +254,11 @@ def sim_weight(op: Any) -> int:
     return 1 + op % 4 if isinstance(op, int) else 1
 
 
+def sim_bytes(e: Entry) -> int:
+    """A deterministic stand-in for an entry's encoded size."""
+    return 8 + len(repr(e.data))
+
+
 def draw_params(rng: random.Random, profile: str | None = None) -> Params:
     """Everything about a run that is not the schedule itself.
 
@@ -389,6 +394,11 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             # Some ops stand for several client writes (a plugin's bulk op):
             # snapshot points and catch-up messages count by weight.
             op_weight=rng.choice((None, sim_weight)),
+            # A third of the runs bound Appends by bytes too, a few entries
+            # each (from a value already drawn: no draw of its own, so every
+            # seed keeps the rest of its scenario).
+            max_batch_bytes=40 if heartbeat == 100 else 8 << 20,
+            entry_bytes=sim_bytes if heartbeat == 100 else None,
         ),
         resend=rng.choice((0.0, 0.02)),
     )

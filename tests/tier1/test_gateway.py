@@ -416,6 +416,34 @@ async def test_follower_search_and_reads_use_any_replica(aiohttp_server: Any, ai
     assert point[0].body["consistency"] == "follower" and point[0].body["min_seq"] == 7
 
 
+async def test_an_overloaded_leader_is_a_prompt_503_and_a_follower_read_moves_on(aiohttp_server: Any,
+                                                                                   aiohttp_client: Any) -> None:
+    f = await make_fakes(aiohttp_server, shards=1, wids=("A", "B"))
+    f.workers["B"].items[(0, "k")] = {"v": 1}
+
+    async def full(call: Call) -> Answer:
+        status, body = err("overloaded", call.gid, leader="A", term=1)
+        if call.body.get("consistency") == "follower":
+            body["error"]["retry_elsewhere"] = True
+        return status, body
+
+    f.workers["A"].on = full
+    client, gw = await start_gateway(aiohttp_client, [f.meta_addr])
+    t0 = time.monotonic()
+    resp = await client.put("/items/k", data=b"{}", headers={"x-deadline-ms": "2000"})
+    assert resp.status == 503 and resp.headers["retry-after"] == "1"
+    assert (await resp.json())["error"]["code"] == "overloaded"
+    assert time.monotonic() - t0 < 0.5  # not retried until the deadline
+    assert len(f.workers["A"].calls) == 1
+    resp = await client.get("/items/k", headers={"x-consistency": "follower"})
+    assert resp.status == 200 and resp.headers["x-served-by"] == "B"
+    f.workers["B"].on = full  # every replica full: the answer at once, not at the deadline
+    t0 = time.monotonic()
+    resp = await client.get("/items/k", headers={"x-consistency": "follower", "x-deadline-ms": "2000"})
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "overloaded"
+    assert time.monotonic() - t0 < 0.5
+
+
 async def test_search_with_a_silent_group_is_degraded_before_the_deadline(aiohttp_server: Any,
                                                                           aiohttp_client: Any) -> None:
     f = await make_fakes(aiohttp_server, shards=3)

@@ -73,6 +73,9 @@ def test_reply_policy() -> None:
     assert after_reply("quorum_timeout", True, False) is Next.RETRY
     assert after_reply("deadline_exceeded", False, False) is Next.RETRY
     assert after_reply("unavailable", False, False) is Next.REFRESH
+    # A full group: the answer at once (a follower read tries the other replicas first: Forwarder).
+    assert after_reply("overloaded", True, False) is Next.DONE
+    assert after_reply("overloaded", False, False) is Next.DONE
     # A leader without quorum: the new leader if meta named one, else answer now.
     assert after_reply("unavailable", True, False, "no_quorum", moved=True) is Next.RETRY
     assert after_reply("unavailable", True, False, "no_quorum", moved=False) is Next.GIVE_UP

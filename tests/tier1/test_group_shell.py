@@ -635,3 +635,111 @@ async def test_opening_a_group_removes_what_a_crashed_run_left_in_its_snapshot_d
         assert not any(f.exists() for f in leftovers) and not (snaps / ".plugin-7-abc").exists()
     finally:
         await g.close()
+
+
+async def test_a_full_group_refuses_new_calls_at_once_and_serves_again_once_they_drain(tmp_path: Path) -> None:
+    # Two follower reads waiting for a seq that never comes hold the group's
+    # two slots: the next write and read are refused at once (nothing queued),
+    # counted, and once the waiting reads end the group serves again.
+    from worker.group import GroupOverloaded
+
+    g = GroupShell("a", 0, tmp_path, load_plugin("entities"),
+                   GroupSettings(fsync="batch", max_pending=2, max_pending_bytes=1 << 20),
+                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
+    g.open()
+    g.start()
+    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    try:
+        await _until(lambda: g.replica is not None and g.replica.ready)
+        query = {"kind": "get_item", "id": "k1"}
+        waiting = [asyncio.create_task(g.read(query, "follower", 10**9, 1.0, 10)) for _ in range(2)]
+        await _until(lambda: g.pending_calls == 2)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(GroupOverloaded):
+            await g.write(put(1), "quorum", "r1", 5.0, 10)
+        with pytest.raises(GroupOverloaded):
+            await g.read(query, "strong", 0, 5.0, 10)
+        assert loop.time() - t0 < 0.1  # refused, not queued behind the waiting reads
+        assert g.overloaded == 2 and g.stats.overloaded == 2 and g.report()["overloaded"] == 2
+        assert g.replica.last_seq == 1  # type: ignore[union-attr]  # only the term start: nothing was queued
+        outs = await asyncio.gather(*waiting)
+        assert [o.error_code for o in outs] == ["deadline_exceeded"] * 2
+        assert g.pending_calls == 0 and g.pending_bytes == 0
+        out = await g.write(put(1), "quorum", "r1", 5.0, 10)
+        assert out.ok and (await g.read(query, "strong", 0, 5.0)).ok
+        assert g.pending_calls == 0 and g.pending_bytes == 0
+    finally:
+        await g.close()
+
+
+async def test_a_full_byte_budget_refuses_but_a_call_alone_is_always_admitted(tmp_path: Path) -> None:
+    from worker.group import GroupOverloaded
+
+    g = GroupShell("a", 0, tmp_path, load_plugin("entities"),
+                   GroupSettings(fsync="batch", max_pending=100, max_pending_bytes=1000),
+                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
+    g.open()
+    g.start()
+    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    try:
+        await _until(lambda: g.replica is not None and g.replica.ready)
+        # Over the budget, but alone: admitted, or a valid call could never pass.
+        assert (await g.write(put(1), "quorum", "r1", 5.0, 5000)).ok
+        held = asyncio.create_task(g.read({"kind": "get_item", "id": "k1"}, "follower", 10**9, 0.5, 900))
+        await _until(lambda: g.pending_bytes == 900)
+        with pytest.raises(GroupOverloaded):
+            await g.write_many([(put(2), "r2"), (put(3), "r3")], "quorum", 5.0, 200)
+        assert (await held).error_code == "deadline_exceeded"
+        outs = await g.write_many([(put(2), "r2"), (put(3), "r3")], "quorum", 5.0, 200)
+        assert all(o.ok for o in outs) and g.pending_bytes == 0  # type: ignore[union-attr]
+    finally:
+        await g.close()
+
+
+def test_entry_sizes_are_measured_once_per_term_and_seq_and_bounded() -> None:
+    from shardgrid.wire import packb
+    from worker.codec import encode_entry
+    from worker.group import EntrySizes
+
+    sizes = EntrySizes(capacity=2)
+    e1 = m.Entry(1, 1, "op", {"pad": "x" * 100}, "r1", 1)
+    assert sizes(e1) == len(packb(encode_entry(e1)))
+    assert sizes(m.Entry(1, 1, "op", {}, None, 1)) == sizes(e1)  # (term, seq) names one entry: not measured again
+    sizes(m.Entry(1, 2, "op", {}, None, 1))
+    sizes(m.Entry(1, 3, "op", {}, None, 1))
+    assert len(sizes._sizes) == 2 and (1, 1) not in sizes._sizes  # the oldest measured went first
+    assert sizes(m.Entry(1, 4, "op", {1, 2}, None, 1)) == 0  # unpackable: nothing to send
+
+
+async def test_a_downloaded_archive_at_another_point_than_its_name_is_refused_and_the_group_goes_on(
+        tmp_path: Path) -> None:
+    # Its digest matched what the source published, but its header names
+    # another point: refused before the plugin is touched, the archive
+    # removed, and the group serves on (the core asks for a snapshot again).
+    from worker.snapshots import SnapshotFile, file_digest
+
+    b, peers = _follower(tmp_path, GroupSettings(fsync="batch"))
+    b.open()
+    b.start()
+    try:
+        b.deliver(m.MetaView(1, "a", ("a", "b", "c"), (), 0))
+        files = tmp_path / "files"
+        files.mkdir()
+        load_plugin("entities").snapshot(files)
+        real = write_snapshot(tmp_path / "elsewhere", m.SnapshotMeta(term=1, seq=9, ts=1), files)
+        b.snap_dir.mkdir(parents=True, exist_ok=True)
+        named = b.snap_dir / "snap-00000000000000000004-0000000001.snap"
+        real.path.replace(named)
+        snap = SnapshotFile(named, 4, 1, named.stat().st_size, file_digest(named))
+        b.deliver(_Restore(snap))
+        await _until(lambda: b.snapshot_refused == 1)
+        assert b.failed is None and not named.exists()
+        assert b.replica is not None and b.replica.applied_seq == 0
+        # Still a working follower: it takes the leader's entries.
+        env: dict[str, Any] = dict(src="a", dst="b", group=0, term=1)
+        b.deliver(m.Append(**env, prev_term=0, prev_seq=0, entries=(m.Entry(1, 1, "term_start", None, None, 1),),
+                           commit=1))
+        await _until(lambda: b.replica is not None and b.replica.applied_seq == 1)
+    finally:
+        await b.close()

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from shardgrid.wire import packb
+from worker.codec import encode_entry
 from worker.dedup import DedupTable
 from worker.replica import Replica
 from worker.replica_msgs import (
@@ -506,6 +508,48 @@ def test_a_bulk_op_alone_over_the_bound_still_goes() -> None:
     assert net.r["c"].last_seq == net.r["a"].last_seq  # the first entry goes even when it alone is over
 
 
+def _encoded(e: Entry) -> int:
+    return len(packb(encode_entry(e)))
+
+
+def test_appends_to_a_lagging_follower_are_bounded_in_bytes() -> None:
+    # Entries of about 300 bytes and a 1000-byte bound: three per Append; one of
+    # 5000 bytes, over the bound alone, still goes, by itself.
+    net = ready_net(cfg=ReplicaConfig(max_batch_bytes=1000, entry_bytes=_encoded))
+    net.drop = lambda m: m.dst == "c"
+    for b in range(9):
+        net.do("a", ClientWrite(f"w{b}", "x" * 280, rid=f"r{b}"))
+        net.run()
+    net.do("a", ClientWrite("big", "y" * 5000, rid="rbig"))
+    net.run()
+    net.do("a", ClientWrite("after", "z" * 280, rid="rafter"))
+    net.run()
+    net.drop = lambda m: False
+    net.tick(1000)
+    net.run()
+    assert net.r["c"].last_seq == net.r["a"].last_seq
+    appends = [a for a in net.sent(Append) if a.dst == "c" and a.entries]
+    for a in appends:
+        size = sum(map(_encoded, a.entries))
+        assert size <= 1000 or len(a.entries) == 1, (size, len(a.entries))
+    assert max(len(a.entries) for a in appends) == 3
+    assert any(len(a.entries) == 1 and _encoded(a.entries[0]) > 5000 for a in appends)
+
+
+def test_appends_are_not_measured_without_a_sizer_or_for_a_lone_entry() -> None:
+    measured: list[int] = []
+
+    def size(e: Entry) -> int:
+        measured.append(e.seq)
+        return _encoded(e)
+
+    net = ready_net(cfg=ReplicaConfig(max_batch_bytes=1000, entry_bytes=size))
+    measured.clear()
+    net.do("a", ClientWrite("w", "x" * 5000, rid="r"))  # each follower's Append carries it alone
+    net.run()
+    assert measured == [] and net.r["c"].last_seq == net.r["a"].last_seq
+
+
 def test_snapshot_points_count_op_weight() -> None:
     net = ready_net(cfg=ReplicaConfig(snapshot_every=10, op_weight=_weight))
     for i, n in enumerate((3, 6, 1, 2)):  # seqs 2..5: 3, 9, 10 (a point), 2
@@ -975,6 +1019,11 @@ def test_compact_then_lagging_follower_gets_snapshot() -> None:
     net.run()
     need = [m for m in net.sent(SnapshotNeeded) if m.dst == "c"]
     assert need and net.of("c", DownloadSnapshot)
+    # What the sender's shell publishes with the request reaches the download, untouched.
+    out = net.do("c", SnapshotNeeded(src="a", dst="c", group=0, term=net.r["c"].term, snap_term=need[-1].snap_term,
+                                     snap_seq=5, digest="ab" * 16, size=1234))
+    [dl] = [e for e in out if isinstance(e, DownloadSnapshot)]
+    assert (dl.source, dl.seq, dl.snap_term, dl.digest, dl.size) == ("a", 5, need[-1].snap_term, "ab" * 16, 1234)
     meta = [e for e in net.effects["a"] if isinstance(e, Persist) and e.snapshot][-1].snapshot
     net.do("c", SnapshotInstalled(meta))
     net.run()

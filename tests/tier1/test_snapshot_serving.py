@@ -173,6 +173,11 @@ def _learner(tmp_path: Path, source: Source) -> GroupShell:
     return g
 
 
+def _request(snap: SnapshotFile, source: str = "w1") -> m.DownloadSnapshot:
+    """The core's request to download `snap`, as its source published it (SnapshotNeeded)."""
+    return m.DownloadSnapshot(source, 2, snap.seq, snap.term, snap.digest, snap.size)
+
+
 def _progress(g: GroupShell) -> tuple[Any, Any, Any]:
     rep = g.report()
     return rep["snapshot_bytes"], rep["snapshot_total"], rep["snapshot_waiting"]
@@ -185,7 +190,7 @@ async def test_a_learner_waits_for_a_busy_source_and_reports_its_progress(tmp_pa
     try:
         assert _progress(learner) == (None, None, False)
         assert source.node.snapshot_serving.try_start()  # another learner's download holds the only slot
-        learner._start_download(m.DownloadSnapshot("w1", 2, source.snap.seq))
+        learner._start_download(_request(source.snap))
         await _until(lambda: _progress(learner)[2], "the learner to report that it waits for a slot")
         assert _progress(learner) == (0, total, True)
         source.node.snapshot_serving.finish()
@@ -212,10 +217,132 @@ async def test_an_interrupted_download_resumes_from_what_it_has(tmp_path: Path, 
     stale = learner.snap_dir / ".download-3-1.partial"  # an older snapshot's, broken off
     stale.write_bytes(b"old")
     try:
-        learner._start_download(m.DownloadSnapshot("w1", 2, source.snap.seq))
+        learner._start_download(_request(source.snap))
         await _until(lambda: learner.download is None and latest_snapshot(learner.snap_dir) is not None,
                      "the download to finish")
         assert source.ranges == ["bytes=300000-"] and not stale.exists()
         assert latest_snapshot(learner.snap_dir).digest == source.snap.digest  # type: ignore[union-attr]
     finally:
         await learner.close()
+
+
+class _Hooks(NullHooks):
+    """w1 is the good source; `bad` a hostile one."""
+
+    def __init__(self, good: str, bad: str) -> None:
+        super().__init__(good)
+        self.bad = bad
+
+    def peer_addr(self, worker_id: str) -> str | None:
+        return self.bad if worker_id == "bad" else super().peer_addr(worker_id)
+
+
+@dataclass
+class _Hostile:
+    """A source that answers what a test tells it to: a manifest, and bytes for any snapshot."""
+
+    manifest: Any
+    data: bytes
+    data_requests: int = 0
+
+
+async def _hostile_source(aiohttp_server: Any, hostile: _Hostile) -> str:
+    async def manifest(request: web.Request) -> web.Response:
+        if isinstance(hostile.manifest, bytes):
+            return web.Response(body=hostile.manifest, content_type="application/json")
+        return web.json_response(hostile.manifest)
+
+    async def data(request: web.Request) -> web.Response:
+        hostile.data_requests += 1
+        return web.Response(body=hostile.data, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/v1/groups/0/snapshot", manifest)
+    app.router.add_get("/v1/groups/0/snapshot/{seq}", data)
+    server = await aiohttp_server(app)
+    return f"127.0.0.1:{server.port}"
+
+
+def _published_manifest(snap: SnapshotFile) -> dict[str, Any]:
+    return {"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest}
+
+
+HOSTILE = {
+    # The manifest names another snapshot than the one published in the request.
+    "other_digest": lambda s, whole: (_published_manifest(s) | {"digest": "0" * 32}, whole),
+    "bigger_size": lambda s, whole: (_published_manifest(s) | {"size": s.size * 100}, whole),
+    "negative_seq": lambda s, whole: (_published_manifest(s) | {"seq": -s.seq}, whole),
+    "not_a_manifest": lambda s, whole: ([1, 2, 3], whole),
+    "huge_manifest": lambda s, whole: (b'{"pad": "' + b"x" * 100_000 + b'"}', whole),
+    # The manifest is right, the bytes are not.
+    "more_bytes_than_published": lambda s, whole: (_published_manifest(s), whole + os.urandom(500_000)),
+    "same_size_other_bytes": lambda s, whole: (_published_manifest(s), whole[:-10] + b"0123456789"),
+    "fewer_bytes": lambda s, whole: (_published_manifest(s), whole[:1000]),
+}
+
+
+@pytest.mark.parametrize("how", sorted(HOSTILE))
+async def test_a_download_that_is_not_what_its_source_published_is_refused_and_a_good_source_serves_it(
+        tmp_path: Path, source: Source, aiohttp_server: Any, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.group
+
+    monkeypatch.setattr(worker.group, "DOWNLOAD_ATTEMPTS", 2)  # a source that keeps answering short: give up soon
+    source.limits(concurrency=2, rate_mb_s=0)
+    whole = source.snap.path.read_bytes()
+    hostile = _Hostile(*HOSTILE[how](source.snap, whole))
+    bad = await _hostile_source(aiohttp_server, hostile)
+    learner = GroupShell("w4", 0, tmp_path / "w4", load_plugin("entities"), GroupSettings(fsync="batch"),
+                         _Transport(), _Hooks(source.addr, bad), structlog.get_logger())  # type: ignore[arg-type]
+    learner.open()
+    try:
+        # The bad replica publishes (in its SnapshotNeeded) the real snapshot's
+        # term, seq, size and digest, then serves something else.
+        learner._start_download(_request(source.snap, "bad"))
+        await _until(lambda: learner._download is not None and learner._download.done(), "the bad download to end")
+        assert latest_snapshot(learner.snap_dir) is None
+        if how != "fewer_bytes":  # a short answer is an interruption: kept, resumed from a source
+            assert learner.snapshot_refused == 1 and learner.report()["snapshot_refused"] == 1
+            assert not list(learner.snap_dir.glob(".download-*")) if learner.snap_dir.exists() else True
+        for p in learner.snap_dir.glob(".download-*") if learner.snap_dir.exists() else ():
+            assert p.stat().st_size <= source.snap.size  # never a byte past the published size on disk
+        learner._start_download(_request(source.snap, "w1"))  # the core asks again: the leader this time
+        await _until(lambda: learner._download is not None and learner._download.done(), "the good download")
+        got = latest_snapshot(learner.snap_dir)
+        assert got is not None and got.digest == source.snap.digest and got.path.read_bytes() == whole
+    finally:
+        await learner.close()
+
+
+async def test_a_request_without_what_the_source_published_downloads_nothing(tmp_path: Path, source: Source) -> None:
+    learner = _learner(tmp_path, source)
+    try:
+        for d in (m.DownloadSnapshot("w1", 2, source.snap.seq),  # an older peer's request: no digest, no size
+                  m.DownloadSnapshot("w1", 2, source.snap.seq, source.snap.term, "not-a-digest", source.snap.size),
+                  m.DownloadSnapshot("w1", 2, source.snap.seq, source.snap.term, source.snap.digest, -1)):
+            learner._start_download(d)
+            await _until(lambda: learner._download is not None and learner._download.done(), "the refusal")
+        assert learner.snapshot_refused == 3 and source.ranges == [] and latest_snapshot(learner.snap_dir) is None
+    finally:
+        await learner.close()
+
+
+async def test_a_sender_publishes_its_archive_s_size_and_digest_with_the_request(tmp_path: Path,
+                                                                                source: Source) -> None:
+    sender = _learner(tmp_path, source)
+    try:
+        snap = write_snapshot(sender.snap_dir, m.SnapshotMeta(term=3, seq=9, ts=1), _plugin_files(tmp_path))
+        need = m.SnapshotNeeded(src="w4", dst="w5", group=0, term=3, snap_term=3, snap_seq=9)
+        out = sender._publish_snapshot(need)
+        assert (out.digest, out.size) == (snap.digest, snap.size)
+        # No archive at that point (or at another term): sent as it is; the receiver downloads nothing.
+        assert sender._publish_snapshot(m.SnapshotNeeded(src="w4", dst="w5", group=0, term=3, snap_term=2,
+                                                         snap_seq=9)).digest is None
+    finally:
+        await sender.close()
+
+
+def _plugin_files(root: Path) -> Path:
+    files = root / "plugin-files"
+    files.mkdir()
+    (files / "blob").write_bytes(b"state")
+    return files

@@ -80,3 +80,24 @@ async def test_a_message_msgpack_cannot_pack_is_dropped_and_counted_and_the_stre
         assert (transport.stats.messages, transport.stats.unpackable) == (3, 1)
     finally:
         await transport.close()
+
+
+async def test_a_full_peer_queue_drops_its_oldest_messages_and_sends_the_newest(aiohttp_server: Any,
+                                                                                monkeypatch: Any) -> None:
+    # The queue to one peer is bounded: what a dead or slow peer would pile up
+    # is dropped oldest first (the core retransmits what a follower lacks).
+    import worker.transport
+
+    monkeypatch.setattr(worker.transport, "MAX_QUEUE", 3)
+    sink, addr = await _serve(aiohttp_server)
+    transport = Transport(lambda dst: addr, structlog.get_logger())
+    try:
+        for i in range(5):  # in one loop iteration: the stream has not taken any yet
+            transport.send(beat(i))
+        assert len(transport._peers[addr].queue) == 3
+        await sink.received(3)
+        transport.send(beat(5))
+        await sink.received(4)
+        assert [c for f in sink.commits() for c in f] == [2, 3, 4, 5]
+    finally:
+        await transport.close()

@@ -15,6 +15,7 @@ import structlog
 from aiohttp.test_utils import TestClient
 
 from shardgrid.wire import pack_frames, packb, unpack_frame
+from worker.group import GroupOverloaded
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
 
@@ -40,16 +41,27 @@ class _Shell:
     gid: int = 0
     queued: list[tuple[str, Any]] = field(default_factory=list)
     result: Any = None
+    full: bool = False  # refuse every call as a group holding its limit does
+    sizes: list[int] = field(default_factory=list)  # the `size` each call was admitted with
 
-    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> _Out:
+    def _admit(self, size: int) -> None:
+        if self.full:
+            raise GroupOverloaded(self.gid, 2, 10, 2, 1 << 20)
+        self.sizes.append(size)
+
+    async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float, size: int = 0) -> _Out:
+        self._admit(size)
         self.queued.append(("write", op))
         return _Out(result=self.result)
 
-    async def write_many(self, writes: list[tuple[Any, str | None]], ack: str, timeout_s: float) -> list[_Out]:
+    async def write_many(self, writes: list[tuple[Any, str | None]], ack: str, timeout_s: float,
+                         size: int = 0) -> list[_Out]:
+        self._admit(size)
         self.queued.append(("write_many", writes))
         return [_Out(seq=i + 1) for i in range(len(writes))]
 
-    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float) -> _Out:
+    async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float, size: int = 0) -> _Out:
+        self._admit(size)
         self.queued.append(("read", query))
         return _Out(result=self.result)
 
@@ -182,3 +194,79 @@ async def test_an_answer_that_cannot_be_encoded_fails_only_its_call(worker: Work
     worker.shell.result = None
     again = await _calls(worker, [[3, "write", 0, {"op": OP}]], 1)
     assert again[3][0] == 200
+
+
+async def test_a_full_group_is_a_503_overloaded_on_every_route_and_the_stream(worker: Worker) -> None:
+    worker.shell.full = True
+    for route, body in [("write", {"op": OP}), ("write_batch", {"writes": [{"op": OP}]}),
+                        ("read", {"query": {"kind": "get", "id": "a"}})]:
+        status, answer = await _post(worker, route, body)
+        assert status == 503, (route, answer)
+        err = answer["error"]
+        assert err["code"] == "overloaded" and err["shard"] == 0 and err["limit"] == 2, err
+        assert "retry_elsewhere" not in err  # only the leader takes a write or a strong read
+    status, answer = await _post(worker, "read", {"query": {"kind": "get", "id": "a"}, "consistency": "follower"})
+    assert status == 503 and answer["error"]["retry_elsewhere"] is True
+    answers = await _calls(worker, [[1, "write", 0, {"op": OP}], [2, "read", 0, {"query": {}}]], 2)
+    assert [answers[c][0] for c in (1, 2)] == [503, 503]
+    assert answers[1][1]["error"]["code"] == "overloaded"
+    assert worker.shell.queued == []
+    worker.shell.full = False
+    status, _ = await _post(worker, "write", {"op": OP})
+    assert status == 200 and worker.shell.sizes and worker.shell.sizes[0] > 0  # admitted by its encoded size
+
+
+async def test_refusals_for_a_full_group_are_counted_on_metrics(worker: Worker) -> None:
+    worker.node.groups.clear()  # the fake group has no report for the gauges
+    worker.node.pass_stats.overloaded = 3
+    text = await (await worker.client.get("/metrics")).text()
+    assert "shardgrid_worker_overloaded_total 3.0" in text
+
+
+async def test_an_answer_too_large_for_the_stream_fails_only_its_call(worker: Worker, monkeypatch: Any) -> None:
+    from worker import server
+
+    monkeypatch.setattr(server, "MAX_BODY", 10_000)
+    worker.shell.result = "x" * 20_000  # an answer the gateway's stream limit would refuse
+    answers = await _calls(worker, [[1, "write", 0, {"op": OP}], [2, "write_batch", 0, {"writes": [{"op": OP}]}]], 2)
+    assert answers[1][0] == 413 and answers[1][1]["error"]["code"] == "payload_too_large"
+    assert answers[2][0] == 200
+
+
+class _StuckWs:
+    """A call stream whose gateway reads nothing until `go` is set."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.go = asyncio.Event()
+        self.sent: list[bytes] = []
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.go.wait()
+        self.sent.append(data)
+
+
+async def test_a_call_stream_whose_answers_are_not_read_stops_taking_calls(monkeypatch: Any) -> None:
+    # Backpressure: a gateway that sends calls and reads no answers holds at
+    # most MAX_OUTBOX_ANSWERS of them in the worker (the stream reads no
+    # more calls meanwhile), and the stream goes on once it reads again.
+    from worker import server
+
+    monkeypatch.setattr(server, "MAX_OUTBOX_ANSWERS", 4)
+    ws = _StuckWs()
+    out = server._Outbox(ws, structlog.get_logger())  # type: ignore[arg-type]
+    try:
+        out.put([1, 200, {}])
+        await asyncio.sleep(0)  # the writer takes it and blocks on the socket
+        for cid in (2, 3, 4):
+            out.put([cid, 200, {}])
+        assert not out.room.is_set()
+        ws.go.set()
+        await asyncio.wait_for(out.room.wait(), 5)
+        end = asyncio.get_running_loop().time() + 5
+        while len([c for f in ws.sent for c, *_ in unpack_frame(f)]) < 4:
+            assert asyncio.get_running_loop().time() < end, ws.sent
+            await asyncio.sleep(0.005)
+        assert out.held == 0 and not out.items
+    finally:
+        out.close()
