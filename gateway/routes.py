@@ -62,6 +62,7 @@ from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import bearer_token, check_bearer
 from shardgrid.ids import id_problem
+from shardgrid.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.httpmetrics import route_of
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
 from topology.routing import shard_function
@@ -91,6 +92,7 @@ class GatewayConfig:
     coalesce: bool = True  # queue single writes behind an in-flight call to the group (see forward.py)
     pool_size: int = 4096  # connections to workers and meta, all hosts together
     watch_timeout_s: float = 25.0
+    tls: Tls = field(default=NO_TLS)  # server: the listener; client: calls to workers and meta
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -403,10 +405,11 @@ class Gateway:
         return app
 
     async def _startup(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=self.cfg.pool_size, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=self.cfg.pool_size, limit_per_host=0, keepalive_timeout=30,
+                                         ssl=connector_ssl(self.cfg.tls.client))
         # No cookie jar: workers and meta set none, and it costs CPU per request.
         session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-        meta = MetaClient(list(self.cfg.meta), session=session)
+        meta = MetaClient(list(self.cfg.meta), session=session, tls=self.cfg.tls.client)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
         self._rt = _Runtime(session, meta, cache, Forwarder(cache, WorkerCalls(session, self.log), self.metrics,
                                                              coalesce=self.cfg.coalesce))
@@ -667,7 +670,7 @@ class Gateway:
         deadline_s = self._operator_deadline_s(request)
         body = await request.read()
         # A client of its own per call: it carries this caller's token, not ours.
-        client = MetaClient(self.rt.meta.addrs, admin_token=token, session=self.rt.session)
+        client = MetaClient(self.rt.meta.addrs, admin_token=token, session=self.rt.session, tls=self.rt.meta.tls)
         try:
             status, answer, _ = await client.request("POST", path, data=body or None, deadline_s=deadline_s,
                                                      admin=token is not None)
@@ -700,7 +703,7 @@ class Gateway:
             remaining = deadline - loop.time()
             if http and remaining > 0:
                 try:
-                    async with self.rt.session.get(f"http://{http}/v1/cluster",
+                    async with self.rt.session.get(f"{self.cfg.tls.scheme}://{http}/v1/cluster",
                                                    timeout=aiohttp.ClientTimeout(total=min(1.0, remaining))) as r:
                         if r.status == 200:
                             fresh = orjson.loads(await r.read())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, Star
 from meta.state import GroupRecord, MetaStateMachine
 from shardgrid.auth import bearer_ok, check_bearer
 from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.tls import connector_ssl, scheme
 from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
@@ -69,6 +71,7 @@ def _now_ms() -> int:
 class MetaServerConfig:
     admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     controller: bool = True
+    client_tls: ssl.SSLContext | None = field(default=None, repr=False)  # calls to workers: https, verified
 
 
 @dataclass
@@ -325,8 +328,9 @@ class MetaServer:
 
     async def _worker_post(self, wid: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
-        url = f"http://{self._worker_addr(wid)}{path}"
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                ssl=connector_ssl(self.config.client_tls)))
+        url = f"{scheme(self.config.client_tls)}://{self._worker_addr(wid)}{path}"
         async with self._session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"},
                                       timeout=aiohttp.ClientTimeout(total=WORKER_CALL_TIMEOUT_S)) as resp:
             return resp.status, orjson.loads(await resp.read())

@@ -822,7 +822,7 @@ class GroupShell:
             return
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=self.transport.connector())
-        base = f"http://{addr}/v1/groups/{self.gid}/snapshot"
+        base = f"{self.transport.scheme}://{addr}/v1/groups/{self.gid}/snapshot"
         try:
             async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:

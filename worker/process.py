@@ -15,7 +15,7 @@ import asyncio
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from shardgrid.gctune import start_gc_policy
 from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner
+from shardgrid.tls import NO_TLS, Tls
 from topology.model import Settings
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
@@ -62,6 +63,7 @@ class WorkerConfig:
     # What it offers the cluster (bytes; 0 = not said), advertised when it registers.
     available_ram: int = 0
     available_disk: int = 0
+    tls: Tls = field(default=NO_TLS)
 
 
 class _BatchingCollector:
@@ -98,7 +100,7 @@ class WorkerNode:
         # from a steady worker even when the restart was quicker than a lease.
         self.boot = uuid.uuid4().hex
         self.log = log
-        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr)
+        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr, tls=cfg.tls.client)
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
         labels = ["group"]
@@ -131,7 +133,7 @@ class WorkerNode:
         self.view: dict[str, Any] | None = None
         self.registered = False
         self.default_ack = "quorum"
-        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr)
+        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr, tls=cfg.tls.client)
         # The snapshot downloads this worker serves to learners; the topology's settings set the limits.
         self.snapshot_serving = SnapshotServing.create(Settings.snapshot_concurrency, Settings.snapshot_rate_mb_s,
                                                        time.monotonic())
@@ -543,10 +545,11 @@ async def serve(cfg: WorkerConfig) -> None:
     runner = app_runner(WorkerApi(node).app(), shutdown_timeout=2.0)
     await runner.setup()
     host, port = _split(cfg.listen)
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=cfg.tls.server).start()
     node.start_background()
     gc_policy = start_gc_policy(log)
-    log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data))
+    log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data),
+             https=cfg.tls.server is not None, peers_tls=cfg.tls.client is not None)
     await stop.wait()
     log.info("worker_stopping")
     gc_policy.cancel()

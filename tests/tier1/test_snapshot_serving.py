@@ -159,6 +159,8 @@ async def test_ranges_and_a_gone_snapshot(source: Source) -> None:
 
 
 class _Transport:
+    scheme = "http"
+
     def connector(self) -> aiohttp.TCPConnector:
         return aiohttp.TCPConnector()
 
