@@ -10,6 +10,9 @@
     topoctl operators                placement changes in progress
 
 Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
+With --tls-ca or SHARDGRID_TLS_CA, host:port addresses are dialled over https
+and meta must present a certificate that CA signed for the address; the admin
+token is then never sent to an address given as http:// (exit 1).
 Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
 """
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any
 
 import orjson
 
-from meta.client import MetaClient, MetaError, MetaUnreachable
+from meta.client import MetaClient, MetaError, MetaUnreachable, TokenInClear
 from shardgrid.auth import SecretFileError, read_secret
+from shardgrid.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
@@ -50,7 +54,14 @@ def _err(line: str) -> None:
 def _client(args: argparse.Namespace) -> MetaClient:
     addrs = [a.strip() for a in args.meta.split(",") if a.strip()]
     token = read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN")
-    return MetaClient(addrs, admin_token=token, deadline_s=args.timeout)
+    tls = client_context(Path(args.tls_ca)) if args.tls_ca else None
+    client = MetaClient(addrs, admin_token=token, deadline_s=args.timeout, tls=tls)
+    plain = [a for a in client.addrs if a.startswith("http://")]
+    if tls is not None and token is not None and plain:
+        # Up front rather than at the first admin call: nothing is half done then.
+        raise TokenInClear(f"refusing to send the admin token over plain http to {', '.join(plain)} while "
+                           "--tls-ca is set: give those addresses as host:port or https://")
+    return client
 
 
 # -- apply ---------------------------------------------------------------------
@@ -437,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to keep trying the meta nodes before giving up (default 10)")
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the admin token (else env SHARDGRID_ADMIN_TOKEN)")
+    p.add_argument("--tls-ca", default=os.environ.get(CA_ENV) or None, metavar="PEM",
+                   help=f"talk to meta over https, verified against this CA (env {CA_ENV})")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
     a.add_argument("file")
@@ -490,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     except MetaUnreachable as exc:
         _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
         return EXIT_UNREACHABLE
-    except SecretFileError as exc:
+    except (SecretFileError, TlsConfigError, TokenInClear) as exc:
         _err(f"topoctl: {exc}")
         return EXIT_REJECTED
     except MetaError as exc:
