@@ -62,8 +62,8 @@ from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import bearer_token, check_bearer
 from shardgrid.ids import id_problem
-from shardgrid.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.httpmetrics import route_of
+from shardgrid.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
 from topology.routing import shard_function
 
@@ -368,6 +368,9 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, log: Any) -> None:
         if not cfg.meta:
             raise ValueError("the gateway needs at least one meta address")
+        if cfg.tls.client is not None and any(a.startswith("http://") for a in cfg.meta):
+            # It forwards callers' admin tokens to meta: never over plain http once TLS is on.
+            raise ValueError("with --tls-ca, give meta addresses as host:port or https://, not http://")
         self.cfg = cfg
         self.log = log
         self.metrics = GatewayMetrics()

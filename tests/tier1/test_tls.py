@@ -154,3 +154,14 @@ def test_the_routing_table_dials_workers_with_the_scheme() -> None:
     view = {"revision": 1, "workers": {"w1": {"addr": "127.0.0.1:7201"}}, "groups": {}}
     assert RoutingTable.from_view(view, "https").workers["w1"].base == "https://127.0.0.1:7201"
     assert RoutingTable.from_view(view).workers["w1"].base == "http://127.0.0.1:7201"
+
+
+def test_a_gateway_with_a_ca_refuses_plain_http_meta_addresses(pki: DevPki) -> None:
+    import structlog
+
+    from gateway.routes import Gateway, GatewayConfig
+
+    tls = Tls(client=client_context(pki.ca))
+    with pytest.raises(ValueError, match="not http://"):
+        Gateway(GatewayConfig(meta=("http://127.0.0.1:1",), tls=tls), structlog.get_logger())
+    Gateway(GatewayConfig(meta=("127.0.0.1:1", "https://127.0.0.1:2"), tls=tls), structlog.get_logger())
