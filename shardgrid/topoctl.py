@@ -28,8 +28,8 @@ import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable, TokenInClear
 from shardgrid.auth import SecretFileError, read_secret
-from shardgrid.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.drift import drift, render_apply_drift, render_drift
+from shardgrid.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(asyncio.run(args.func(args)))
     except MetaUnreachable as exc:
         _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
+        if args.tls_ca is None and "ServerDisconnected" in str(exc):
+            # What plain http to an HTTPS listener looks like from here.
+            _err(f"topoctl: if the cluster serves HTTPS, pass --tls-ca PEM (or {CA_ENV})")
         return EXIT_UNREACHABLE
     except (SecretFileError, TlsConfigError, TokenInClear) as exc:
         _err(f"topoctl: {exc}")

@@ -101,6 +101,10 @@ def test_shardgrid_dev_tls(tmp_path: Path) -> None:
         topoctl = [sys.executable, "-m", "shardgrid.topoctl", "--meta", ",".join(meta_addrs), "--tls-ca", str(ca)]
         st = subprocess.run([*topoctl, "status", "--json"], capture_output=True, text=True, timeout=30, env=env)
         assert st.returncode == 0, st.stderr
+        dry = subprocess.run([*topoctl, "apply", str(topo), "--dry-run"], capture_output=True, text=True, timeout=30,
+                             env=env)
+        # PUT /v1/topology?dry_run=1 needs the token: it went over https.
+        assert dry.returncode == 0 and "topology unchanged" in dry.stdout, dry.stdout + dry.stderr
         # ... and refuses to send it to a plain http address while a CA is configured.
         clear = subprocess.run([sys.executable, "-m", "shardgrid.topoctl", "--meta", f"http://{meta_addrs[0]}",
                                 "--tls-ca", str(ca), "transfer", "1"], capture_output=True, text=True, timeout=30,
