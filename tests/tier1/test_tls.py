@@ -165,3 +165,19 @@ def test_a_gateway_with_a_ca_refuses_plain_http_meta_addresses(pki: DevPki) -> N
     with pytest.raises(ValueError, match="not http://"):
         Gateway(GatewayConfig(meta=("http://127.0.0.1:1",), tls=tls), structlog.get_logger())
     Gateway(GatewayConfig(meta=("127.0.0.1:1", "https://127.0.0.1:2"), tls=tls), structlog.get_logger())
+
+
+def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardgrid import cli
+
+    loose = tmp_path / "loose.key"
+    loose.write_bytes(pki.key.read_bytes())
+    loose.chmod(0o640)
+    gateway = ["gateway", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2"]
+    assert cli.main([*gateway, "--tls-cert", str(pki.cert)]) == 2
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    assert cli.main([*gateway, "--tls-cert", str(pki.cert), "--tls-key", str(loose)]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+    worker = ["worker", "--id", "w1", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--data", str(tmp_path / "w")]
+    assert cli.main([*worker, "--tls-ca", str(tmp_path / "nope.pem")]) == 2
+    assert "shardgrid worker: cannot load CA certificate" in capsys.readouterr().err
