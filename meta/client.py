@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 import orjson
 
-from shardgrid.tls import base_url, connector_ssl
+from shardgrid.tls import TlsConfigError, base_url, connector_ssl
 
 
 class MetaError(Exception):
@@ -33,7 +33,7 @@ class MetaUnreachable(Exception):
     """No meta node gave a usable answer before the deadline."""
 
 
-class TokenInClear(ValueError):
+class TokenInClear(TlsConfigError):
     """The admin token would go to a plain http:// URL although TLS is configured."""
 
 
@@ -47,6 +47,12 @@ class MetaClient:
         # (a session passed in must have been made with the same context).
         self.tls = tls
         self.addrs = [base_url(a, tls) for a in addrs]
+        plain = [a for a in self.addrs if a.startswith("http://")] if tls is not None else []
+        if plain:
+            # No fallback to plain http once TLS is configured: it would carry tokens
+            # and cluster state in clear past whoever can strip TLS on the path.
+            raise TlsConfigError(f"TLS is configured, but {', '.join(plain)} is plain http: give meta addresses "
+                                 "as host:port or https://")
         self.admin_token = admin_token
         self._session = session
         self._owns_session = session is None

@@ -11,8 +11,8 @@
 
 Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
 With --tls-ca or SHARDGRID_TLS_CA, host:port addresses are dialled over https
-and meta must present a certificate that CA signed for the address; the admin
-token is then never sent to an address given as http:// (exit 1).
+and meta must present a certificate that CA signed for the address; an address
+given as http:// is then refused (exit 1), so the admin token never goes in clear.
 Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from meta.client import MetaClient, MetaError, MetaUnreachable, TokenInClear
+from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.auth import SecretFileError, read_secret
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.tls import CA_ENV, TlsConfigError, client_context
@@ -51,17 +51,25 @@ def _err(line: str) -> None:
     sys.stderr.flush()
 
 
-def _client(args: argparse.Namespace) -> MetaClient:
+class _Client(MetaClient):
+    """MetaClient that, holding a token but no CA, first checks that meta speaks plain http.
+
+    With a CA, MetaClient refuses http:// addresses outright. Without one, an
+    operator who forgot --tls-ca against an HTTPS cluster would write the token
+    in clear onto the wire (the server then only fails the handshake): a
+    tokenless GET first fails instead, and the token is never sent."""
+
+    async def __aenter__(self) -> "_Client":
+        if self.admin_token is not None and self.tls is None and any(a.startswith("http://") for a in self.addrs):
+            await self.request("GET", "/healthz")  # MetaUnreachable: exit 3, with the --tls-ca hint
+        return self
+
+
+def _client(args: argparse.Namespace) -> _Client:
     addrs = [a.strip() for a in args.meta.split(",") if a.strip()]
     token = read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN")
     tls = client_context(Path(args.tls_ca)) if args.tls_ca else None
-    client = MetaClient(addrs, admin_token=token, deadline_s=args.timeout, tls=tls)
-    plain = [a for a in client.addrs if a.startswith("http://")]
-    if tls is not None and token is not None and plain:
-        # Up front rather than at the first admin call: nothing is half done then.
-        raise TokenInClear(f"refusing to send the admin token over plain http to {', '.join(plain)} while "
-                           "--tls-ca is set: give those addresses as host:port or https://")
-    return client
+    return _Client(addrs, admin_token=token, deadline_s=args.timeout, tls=tls)
 
 
 # -- apply ---------------------------------------------------------------------
@@ -506,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             # What plain http to an HTTPS listener looks like from here.
             _err(f"topoctl: if the cluster serves HTTPS, pass --tls-ca PEM (or {CA_ENV})")
         return EXIT_UNREACHABLE
-    except (SecretFileError, TlsConfigError, TokenInClear) as exc:
+    except (SecretFileError, TlsConfigError) as exc:
         _err(f"topoctl: {exc}")
         return EXIT_REJECTED
     except MetaError as exc:

@@ -129,11 +129,15 @@ def test_bad_configurations(pki: DevPki, tmp_path: Path) -> None:
 
 async def test_meta_client_never_sends_the_token_in_clear(pki: DevPki) -> None:
     ctx = client_context(pki.ca)
-    client = MetaClient(["127.0.0.1:1", "http://127.0.0.1:2"], admin_token="t", tls=ctx, deadline_s=1)
-    assert client.addrs == ["https://127.0.0.1:1", "http://127.0.0.1:2"]
+    with pytest.raises(TlsConfigError, match="http://127.0.0.1:2 is plain http"):
+        MetaClient(["127.0.0.1:1", "http://127.0.0.1:2"], admin_token="t", tls=ctx)
+    client = MetaClient(["127.0.0.1:1"], admin_token="t", tls=ctx, deadline_s=1)
+    assert client.addrs == ["https://127.0.0.1:1"]
     client.prefer("127.0.0.1:3")  # a leader meta names: the client's own scheme
     assert client.addrs[-1] == "https://127.0.0.1:3"
-    client._preferred = 1
+    # Should an http:// address get in later all the same, the token is not sent there.
+    client.addrs.append("http://127.0.0.1:4")
+    client._preferred = 2
     try:
         with pytest.raises(TokenInClear):
             await client.request("PUT", "/v1/topology", data=b"x", admin=True)
@@ -141,30 +145,19 @@ async def test_meta_client_never_sends_the_token_in_clear(pki: DevPki) -> None:
         await client.close()
 
 
-def test_topoctl_refuses_a_token_to_plain_http(pki: DevPki, monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_topoctl_refuses_plain_http_with_a_ca(pki: DevPki, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("SHARDGRID_ADMIN_TOKEN", "secret-token")
     monkeypatch.setenv("SHARDGRID_TLS_CA", str(pki.ca))
-    assert topoctl.main(["--meta", "http://127.0.0.1:1", "--timeout", "1", "status"]) == topoctl.EXIT_REJECTED
+    assert topoctl.main(["--meta", "http://127.0.0.1:1", "--timeout", "1", "transfer", "1"]) == topoctl.EXIT_REJECTED
     err = capsys.readouterr().err
-    assert "refusing to send the admin token" in err and "secret-token" not in err
+    assert "http://127.0.0.1:1 is plain http" in err and "secret-token" not in err
 
 
 def test_the_routing_table_dials_workers_with_the_scheme() -> None:
     view = {"revision": 1, "workers": {"w1": {"addr": "127.0.0.1:7201"}}, "groups": {}}
     assert RoutingTable.from_view(view, "https").workers["w1"].base == "https://127.0.0.1:7201"
     assert RoutingTable.from_view(view).workers["w1"].base == "http://127.0.0.1:7201"
-
-
-def test_a_gateway_with_a_ca_refuses_plain_http_meta_addresses(pki: DevPki) -> None:
-    import structlog
-
-    from gateway.routes import Gateway, GatewayConfig
-
-    tls = Tls(client=client_context(pki.ca))
-    with pytest.raises(ValueError, match="not http://"):
-        Gateway(GatewayConfig(meta=("http://127.0.0.1:1",), tls=tls), structlog.get_logger())
-    Gateway(GatewayConfig(meta=("127.0.0.1:1", "https://127.0.0.1:2"), tls=tls), structlog.get_logger())
 
 
 def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,3 +174,35 @@ def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: 
     worker = ["worker", "--id", "w1", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--data", str(tmp_path / "w")]
     assert cli.main([*worker, "--tls-ca", str(tmp_path / "nope.pem")]) == 2
     assert "shardgrid worker: cannot load CA certificate" in capsys.readouterr().err
+    # A gateway forwards callers' admin tokens to meta: with a CA, never to an http:// address.
+    assert cli.main(["gateway", "--http", "127.0.0.1:1", "--meta", "http://127.0.0.1:2", "--tls-ca", str(pki.ca)]) == 2
+    assert "http://127.0.0.1:2 is plain http" in capsys.readouterr().err
+
+
+def test_topoctl_without_a_ca_probes_before_sending_a_token(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """An operator forgot --tls-ca against an HTTPS meta: the token must not reach the wire.
+
+    The fake meta records every byte it receives and hangs up, as a TLS
+    listener does when plain HTTP arrives."""
+    import socketserver
+    import threading
+
+    received: list[bytes] = []
+
+    class HangUp(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            received.append(self.request.recv(65536))
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), HangUp) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            monkeypatch.setenv("SHARDGRID_ADMIN_TOKEN", "secret-token")
+            monkeypatch.delenv("SHARDGRID_TLS_CA", raising=False)
+            addr = f"127.0.0.1:{server.server_address[1]}"
+            assert topoctl.main(["--meta", addr, "--timeout", "1", "transfer", "1"]) == topoctl.EXIT_UNREACHABLE
+        finally:
+            server.shutdown()
+    assert received and all(b"GET /healthz" in r for r in received if r)
+    assert not any(b"secret-token" in r for r in received)
+    assert "pass --tls-ca" in capsys.readouterr().err
