@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import ssl
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -175,8 +177,10 @@ def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: 
     assert cli.main([*worker, "--tls-ca", str(tmp_path / "nope.pem")]) == 2
     assert "shardgrid worker: cannot load CA certificate" in capsys.readouterr().err
     # A gateway forwards callers' admin tokens to meta: with a CA, never to an http:// address.
-    assert cli.main(["gateway", "--http", "127.0.0.1:1", "--meta", "http://127.0.0.1:2", "--tls-ca", str(pki.ca)]) == 2
-    assert "http://127.0.0.1:2 is plain http" in capsys.readouterr().err
+    # In a process of its own: its serve() configures logging onto this process's stderr.
+    gw = subprocess.run([sys.executable, "-m", "shardgrid.cli", "gateway", "--http", "127.0.0.1:1", "--meta",
+                         "http://127.0.0.1:2", "--tls-ca", str(pki.ca)], capture_output=True, text=True, timeout=60)
+    assert gw.returncode == 2 and "http://127.0.0.1:2 is plain http" in gw.stderr, gw.stderr
 
 
 def test_topoctl_without_a_ca_probes_before_sending_a_token(monkeypatch: pytest.MonkeyPatch,
