@@ -42,6 +42,7 @@ from gateway.router import (MIN_ATTEMPT_S, NO_QUORUM, WORKER_MARGIN_S, AttemptBu
                             prune_hints)
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.httpmetrics import HttpMetrics
+from shardgrid.tls import scheme
 from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
 
 MSGPACK = "application/msgpack"
@@ -234,7 +235,7 @@ class RouteCache:
     def update(self, view: Any) -> bool:
         """Adopt `view` if it is newer than the table; wake every waiting request."""
         try:
-            table = RoutingTable.from_view(view)
+            table = RoutingTable.from_view(view, scheme(self.meta.tls))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             self.log.warning("routing_view_unusable", error=f"{type(exc).__name__}: {exc}")
             return False

@@ -40,10 +40,11 @@ async def serve(cfg: GatewayConfig) -> None:
     runner = app_runner(gateway.app(), shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     host, port = _split(cfg.listen)
-    await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096, ssl_context=cfg.tls.server).start()
     gc_policy = start_gc_policy(log, young=GATEWAY_YOUNG)
     log.info("gateway_started", listen=cfg.listen, meta=list(cfg.meta), access_log=cfg.access_log,
-             admin_token=cfg.admin_token is not None)
+             admin_token=cfg.admin_token is not None, https=cfg.tls.server is not None,
+             cluster_tls=cfg.tls.client is not None)
     await stop.wait()
     log.info("gateway_stopping")
     gc_policy.cancel()

@@ -160,7 +160,7 @@ class Target:
     """A worker to call: its id, base URL and (for leaders) the term it leads."""
 
     wid: str
-    base: str  # "http://host:port"
+    base: str  # "http://host:port" (https with TLS)
     term: int = 0
 
 
@@ -204,13 +204,13 @@ class RoutingTable:
     view: dict[str, Any] = field(repr=False, compare=False)  # what meta sent, for /cluster/*
 
     @classmethod
-    def from_view(cls, view: dict[str, Any]) -> "RoutingTable":
+    def from_view(cls, view: dict[str, Any], url_scheme: str = "http") -> "RoutingTable":
         topo = view.get("topology") or {}
         settings = topo.get("settings") or {}
         workers: dict[str, WorkerRoute] = {}
         for wid, w in (view.get("workers") or {}).items():
             addr = str(w.get("addr", ""))
-            base = addr if addr.startswith("http") else f"http://{addr}"
+            base = addr if addr.startswith("http") else f"{url_scheme}://{addr}"
             live = w.get("live")
             workers[str(wid)] = WorkerRoute(str(wid), addr, base, w.get("zone"), w.get("state"),
                                             live if isinstance(live, bool) else None)

@@ -67,6 +67,7 @@ from shardgrid.peerauth import ClusterKeys, Principal
 from shardgrid.peerauth_http import PeerSigner
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
+from shardgrid.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
 from topology.routing import shard_function
 
@@ -100,6 +101,7 @@ class GatewayConfig:
     # The cluster secret(s) (None: intra-cluster calls are not signed, tests only).
     cluster_keys: ClusterKeys | None = field(default=None, repr=False)
     identity: SoftwareIdentity = SoftwareIdentity("", "")
+    tls: Tls = field(default=NO_TLS)  # server: the listener; client: calls to workers and meta
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -415,12 +417,13 @@ class Gateway:
         return app
 
     async def _startup(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=self.cfg.pool_size, limit_per_host=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=self.cfg.pool_size, limit_per_host=0, keepalive_timeout=30,
+                                         ssl=connector_ssl(self.cfg.tls.client))
         # No cookie jar: workers and meta set none, and it costs CPU per request.
         keys = self.cfg.cluster_keys
         signer = (PeerSigner(keys, Principal("gateway", self.gateway_id)),) if keys is not None else ()
         session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(), middlewares=signer)
-        meta = MetaClient(list(self.cfg.meta), session=session)
+        meta = MetaClient(list(self.cfg.meta), session=session, tls=self.cfg.tls.client)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
         calls = WorkerCalls(session, self.log, self.metrics.stream_full.inc)
         self._rt = _Runtime(session, meta, cache, Forwarder(cache, calls, self.metrics, coalesce=self.cfg.coalesce))
@@ -699,7 +702,7 @@ class Gateway:
         deadline_s = self._operator_deadline_s(request)
         body = await request.read()
         # A client of its own per call: it carries this caller's token, not ours.
-        client = MetaClient(self.rt.meta.addrs, admin_token=token, session=self.rt.session)
+        client = MetaClient(self.rt.meta.addrs, admin_token=token, session=self.rt.session, tls=self.rt.meta.tls)
         try:
             status, answer, _ = await client.request("POST", path, data=body or None, deadline_s=deadline_s,
                                                      admin=token is not None)
@@ -732,7 +735,7 @@ class Gateway:
             remaining = deadline - loop.time()
             if http and remaining > 0:
                 try:
-                    async with self.rt.session.get(f"http://{http}/v1/cluster",
+                    async with self.rt.session.get(f"{self.cfg.tls.scheme}://{http}/v1/cluster",
                                                    timeout=aiohttp.ClientTimeout(total=min(1.0, remaining))) as r:
                         if r.status == 200:
                             fresh = orjson.loads(await r.read())

@@ -8,11 +8,14 @@ next node; a 4xx is the caller's problem and is raised at once.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
+
+from shardgrid.tls import TlsConfigError, base_url, connector_ssl
 
 
 class MetaError(Exception):
@@ -30,17 +33,27 @@ class MetaUnreachable(Exception):
     """No meta node gave a usable answer before the deadline."""
 
 
-def _base(addr: str) -> str:
-    return addr if addr.startswith("http") else f"http://{addr}"
+class TokenInClear(TlsConfigError):
+    """The admin token would go to a plain http:// URL although TLS is configured."""
 
 
 class MetaClient:
     def __init__(self, addrs: list[str], admin_token: str | None = None,
                  session: aiohttp.ClientSession | None = None, deadline_s: float = 10.0,
-                 local_addr: str | None = None, middlewares: tuple[Any, ...] = ()) -> None:
+                 local_addr: str | None = None, tls: ssl.SSLContext | None = None,
+                 middlewares: tuple[Any, ...] = ()) -> None:
         if not addrs:
             raise ValueError("at least one meta address is needed")
-        self.addrs = [_base(a) for a in addrs]
+        # With `tls`, host:port addresses are https and verified against its CA
+        # (a session passed in must have been made with the same context).
+        self.tls = tls
+        self.addrs = [base_url(a, tls) for a in addrs]
+        plain = [a for a in self.addrs if a.startswith("http://")] if tls is not None else []
+        if plain:
+            # No fallback to plain http once TLS is configured: it would carry tokens
+            # and cluster state in clear past whoever can strip TLS on the path.
+            raise TlsConfigError(f"TLS is configured, but {', '.join(plain)} is plain http: give meta addresses "
+                                 "as host:port or https://")
         self.admin_token = admin_token
         self._session = session
         self._owns_session = session is None
@@ -63,7 +76,8 @@ class MetaClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(local_addr=(self.local_addr, 0)) if self.local_addr else None
+            local = (self.local_addr, 0) if self.local_addr else None
+            connector = aiohttp.TCPConnector(local_addr=local, ssl=connector_ssl(self.tls))
             self._session = aiohttp.ClientSession(
                 connector=connector, middlewares=self.middlewares, json_serialize=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode())
         return self._session
@@ -75,7 +89,7 @@ class MetaClient:
     def _learn_leader(self, http: str | None) -> None:
         if not http:
             return
-        base = _base(http)
+        base = base_url(http, self.tls)
         if base not in self.addrs:
             self.addrs.append(base)
         self._preferred = self.addrs.index(base)
@@ -101,6 +115,11 @@ class MetaClient:
                 if remaining <= 0:
                     raise MetaUnreachable(f"no meta node answered in time ({last_problem}); tried {', '.join(self.addrs)}")
                 url = self.addrs[idx] + path
+                if headers and self.tls is not None and url.startswith("http://"):
+                    # TLS is configured, so this address is a mistake (or a downgrade):
+                    # never let the token cross it in clear.
+                    raise TokenInClear(f"refusing to send the admin token to {self.addrs[idx]} over plain "
+                                       "http while TLS is configured: give meta addresses as host:port or https://")
                 try:
                     async with self._sess().request(
                             method, url, json=json, data=data, params=params, headers=headers,
@@ -159,7 +178,7 @@ class MetaClient:
 
     async def status(self, addr: str, timeout_s: float = 2.0) -> dict[str, Any]:
         """One node's own view of the Raft group (no failover: it is about that node)."""
-        async with self._sess().get(_base(addr) + "/v1/status",
+        async with self._sess().get(base_url(addr, self.tls) + "/v1/status",
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             body: dict[str, Any] = orjson.loads(await resp.read())
             return body

@@ -15,6 +15,7 @@ from shardgrid.peerauth import ClusterKeys
 from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner
+from shardgrid.tls import NO_TLS, Tls
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class MetaProcessConfig:
     # Never in a repr: a config that reaches a log line or a traceback must not carry them.
     password: str = field(repr=False)
     admin_token: str | None = field(repr=False)
+    tls: Tls = field(default=NO_TLS)
 
 
 def parse_peers(spec: str) -> list[RaftPeer]:
@@ -49,18 +51,19 @@ async def serve(cfg: MetaProcessConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password.splitlines()[0].strip(), loop)
     # The first line of the secret is PySyncObj's password; every line verifies peers (rotation).
-    server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token, node_id=cfg.me.id,
-                                               cluster_keys=ClusterKeys.from_text(cfg.password)), log)
+    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password.splitlines()[0].strip(), loop)
+    server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token, client_tls=cfg.tls.client,
+                                               node_id=cfg.me.id, cluster_keys=ClusterKeys.from_text(cfg.password)),
+                        log)
     # Long-poll watches would hold a graceful shutdown for their whole timeout.
     runner = app_runner(server.app(), shutdown_timeout=1.0)
     await runner.setup()
     host, port = _split_hostport(cfg.me.http)
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=cfg.tls.server).start()
     gc_policy = start_gc_policy(log)
     log.info("meta_started", raft=cfg.me.raft, http=cfg.me.http, peers=[p.id for p in cfg.peers],
-             data=str(cfg.data_dir))
+             data=str(cfg.data_dir), https=cfg.tls.server is not None, workers_tls=cfg.tls.client is not None)
     await stop.wait()
     log.info("meta_stopping")
     gc_policy.cancel()

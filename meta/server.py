@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from shardgrid.httpmetrics import HttpMetrics
 from shardgrid.identity import SoftwareIdentity
 from shardgrid.peerauth import ClusterKeys, Principal, SessionTable
 from shardgrid.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
+from shardgrid.tls import connector_ssl, scheme
 from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
 from topology.errors import TopologyError
@@ -90,6 +92,7 @@ class MetaServerConfig:
     # None: no cluster secret, worker-facing routes are open (tests of the API alone).
     cluster_keys: ClusterKeys | None = field(default=None, repr=False)
     node_id: str = "meta"
+    client_tls: ssl.SSLContext | None = field(default=None, repr=False)  # calls to workers: https, verified
 
 
 @dataclass
@@ -370,8 +373,9 @@ class MetaServer:
 
     async def _worker_post(self, wid: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if self._session is None:
-            self._session = aiohttp.ClientSession(middlewares=(self.signer,) if self.signer else ())
-        url = f"http://{self._worker_addr(wid)}{path}"
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                ssl=connector_ssl(self.config.client_tls)), middlewares=(self.signer,) if self.signer else ())
+        url = f"{scheme(self.config.client_tls)}://{self._worker_addr(wid)}{path}"
         async with self._session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"},
                                       timeout=aiohttp.ClientTimeout(total=WORKER_CALL_TIMEOUT_S)) as resp:
             return resp.status, orjson.loads(await resp.read())

@@ -41,7 +41,12 @@ def read_secret(path: str | None, env_var: str) -> str | None:
 
 
 def write_secret(path: Path, value: str) -> None:
-    """Create `path` holding `value`, mode 0600 from its first byte, atomically.
+    """Create `path` holding `value` (stripped, one trailing newline), mode 0600, atomically."""
+    write_secret_bytes(path, (value.strip() + "\n").encode("utf-8"))
+
+
+def write_secret_bytes(path: Path, data: bytes) -> None:
+    """Create `path` holding exactly `data`, mode 0600 from its first byte, atomically.
 
     The temporary file is created 0600 with O_EXCL (never a world-readable
     moment, never someone else's file reused) and renamed over `path`, so a
@@ -52,7 +57,9 @@ def write_secret(path: Path, value: str) -> None:
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         try:
-            os.write(fd, (value.strip() + "\n").encode("utf-8"))
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -220,6 +220,10 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         for u in urls:
             if not re.fullmatch(r"https?://[^/\s]+/?", u):
                 raise bad(f"--gateway {u!r}: expected http://HOST:PORT")
+            if u.startswith("https://") and args.client == "raw" and target != "etcd-grpc":
+                # The raw client writes plain HTTP on the socket: every request would be a connection error.
+                raise bad(f"--gateway {u!r}: the raw client speaks plain HTTP only; use --client aiohttp "
+                          "(a private CA: SSL_CERT_FILE=ca.pem)")
     rf = args.rf if args.rf is not None else min(3, args.workers)
     load = LoadConfig(target=target, urls=tuple(urls or ()), mix=tuple(mix.items()), concurrency=concurrency,
                       rate=args.rate, duration_s=float(args.duration), warmup_s=int(args.warmup), ack=args.ack,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from shardgrid.auth import SecretFileError, read_secret
+from shardgrid.tls import TlsConfigError, add_tls_arguments, tls_from_args
 
 if TYPE_CHECKING:
     from shardgrid.peerauth import ClusterKeys
@@ -47,6 +48,7 @@ def _cmd_meta(args: argparse.Namespace) -> int:
         data_dir=Path(args.data),
         password=password,
         admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
+        tls=tls_from_args(args),
     )
     return meta_main(cfg)
 
@@ -69,7 +71,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
                        zone=args.zone, source_addr=args.source_addr, available_ram=ram, available_disk=disk,
-                       cluster_keys=keys, identity=current())
+                       cluster_keys=keys, identity=current(), tls=tls_from_args(args))
     return worker_main(cfg)
 
 
@@ -88,7 +90,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     cfg = GatewayConfig(listen=args.http, meta=meta,
                         admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
                         access_log=args.access_log, id=args.id or args.http, cluster_keys=keys,
-                        identity=current())
+                        identity=current(), tls=tls_from_args(args))
     return gateway_main(cfg)
 
 
@@ -104,7 +106,8 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     from shardgrid.devcluster import DevOptions, run_dev
 
     return run_dev(DevOptions(data=Path(args.data), fresh=args.fresh, topology=Path(args.topology),
-                              workers=args.workers, shards=args.shards, gateways=args.gateways))
+                              workers=args.workers, shards=args.shards, gateways=args.gateways,
+                              gateway_port=args.gateway_port, tls=args.tls))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -125,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--data", required=True, help="directory for the Raft journal and dump")
     m.add_argument("--secret-file", default=None, help=_SECRET_HELP)
     m.add_argument("--admin-token-file", default=None, help="admin token (else env SHARDGRID_ADMIN_TOKEN)")
+    add_tls_arguments(m)
     m.set_defaults(func=_cmd_meta)
 
     w = sub.add_parser("worker", help="run one worker (hosts shard-group replicas)")
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory this worker offers the cluster (e.g. 8GB); advertised to meta at registration")
     w.add_argument("--available-disk", default=None, metavar="SIZE",
                    help="disk this worker offers the cluster (e.g. 50GB); advertised to meta at registration")
+    add_tls_arguments(w)
     w.set_defaults(func=_cmd_worker)
 
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
@@ -152,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admin token for /cluster/* (else env SHARDGRID_ADMIN_TOKEN; none = not checked here)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="one structured info line per request (default off: it costs CPU on every request)")
+    add_tls_arguments(g)
     g.set_defaults(func=_cmd_gateway)
 
     from shardgrid.devcluster import DEFAULT_DATA, default_topology_path
@@ -173,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=None, help="generate a topology with N workers")
     d.add_argument("--shards", type=int, default=None, help="generate a topology with S shards")
     d.add_argument("--gateways", type=int, default=1, help="gateways to start (ports 8080, 8081, ...)")
+    d.add_argument("--gateway-port", type=int, default=8080, help="port of the first gateway (default 8080)")
+    d.add_argument("--tls", action="store_true",
+                   help="HTTPS on every listener, with a CA and certificate made for this run under DATA/tls")
     d.set_defaults(func=_cmd_dev)
 
     from shardgrid.bench import add_bench_arguments
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SecretFileError as exc:
+    except (SecretFileError, TlsConfigError) as exc:
         # A configuration error with its fix in the message, not a traceback.
         sys.stderr.write(f"shardgrid {args.command}: {exc}\n")
         return 2

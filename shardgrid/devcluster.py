@@ -17,6 +17,12 @@ as `available`).
 Without `--workers/--shards/--gateways` it runs `examples/topology.yaml`;
 with them it generates a topology on consecutive loopback ports
 (meta 7001-7003/7101-7103, workers from 7201, gateways from 8080).
+
+With `--tls` it makes a throwaway CA and a certificate for 127.0.0.1 and
+localhost under DATA/tls, and every listener serves HTTPS and every
+intra-cluster call verifies against that CA (runbook/deploy.md, "TLS").
+An admin token in SHARDGRID_ADMIN_TOKEN reaches every child (they inherit
+the environment) and is used for applying the topology.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,9 +42,10 @@ from typing import Any, Callable
 import aiohttp
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.auth import write_secret
+from shardgrid.auth import read_secret, write_secret
 from shardgrid.devcontrol import DevActions, DevControl, DevControlError, exit_text
 from shardgrid.procs import Child, stop_all
+from shardgrid.tls import DevPki, base_url, client_context, connector_ssl, dev_pki
 from topology.loader import load_topology
 from topology.model import Topology
 
@@ -78,10 +86,10 @@ def ensure_secret(path: Path) -> Path:
     return path
 
 
-async def wait_meta_ready(addrs: list[str], deadline_s: float) -> dict[str, Any]:
+async def wait_meta_ready(addrs: list[str], deadline_s: float, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
     """Until a meta node answers with a known Raft leader."""
     deadline = time.monotonic() + deadline_s
-    async with MetaClient(addrs) as client:
+    async with MetaClient(addrs, tls=tls) as client:
         while True:
             try:
                 status, body, _ = await client.request("GET", "/healthz", deadline_s=1.0)
@@ -97,12 +105,13 @@ async def wait_meta_ready(addrs: list[str], deadline_s: float) -> dict[str, Any]
 APPLY_ATTEMPTS = 5
 
 
-async def apply_topology(addrs: list[str], text: str) -> dict[str, Any]:
+async def apply_topology(addrs: list[str], text: str, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
     """Apply `text` (a no-op when it is what meta holds). Another apply may land
     between the preview and ours (a `topoctl apply` while the cluster starts):
     the compare-and-set then fails, and the plan is made again from what meta
     holds now."""
-    async with MetaClient(addrs) as client:
+    token = read_secret(None, "SHARDGRID_ADMIN_TOKEN")
+    async with MetaClient(addrs, admin_token=token, tls=tls) as client:
         for attempt in range(APPLY_ATTEMPTS):
             preview = await client.put_topology(text, dry_run=True)
             if not preview["changed"]:
@@ -115,7 +124,8 @@ async def apply_topology(addrs: list[str], text: str) -> dict[str, Any]:
         raise AssertionError("unreachable")
 
 
-async def wait_groups_ready(addrs: list[str], deadline_s: float, balanced: bool = False) -> dict[str, Any]:
+async def wait_groups_ready(addrs: list[str], deadline_s: float, balanced: bool = False,
+                            tls: ssl.SSLContext | None = None) -> dict[str, Any]:
     """Until every group has a leader that finished its start-of-term protocol.
 
     With `balanced`, also until that leader is the group's preferred one: a
@@ -124,7 +134,7 @@ async def wait_groups_ready(addrs: list[str], deadline_s: float, balanced: bool 
     A measurement must not start before that move, or it measures the move.
     """
     deadline = time.monotonic() + deadline_s
-    async with MetaClient(addrs) as client:
+    async with MetaClient(addrs, tls=tls) as client:
         while True:
             view = await client.cluster()
             groups = view["groups"]
@@ -144,9 +154,9 @@ def _settled(group: dict[str, Any], balanced: bool) -> bool:
     return not balanced or preferred is None or group["leader"] == preferred
 
 
-async def wait_http_ok(urls: list[str], deadline_s: float) -> None:
+async def wait_http_ok(urls: list[str], deadline_s: float, tls: ssl.SSLContext | None = None) -> None:
     deadline = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=connector_ssl(tls))) as s:
         for url in urls:
             while True:
                 try:
@@ -176,9 +186,21 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     # Extra arguments for every gateway (the benchmark passes --no-access-log).
     gateway_args: list[str] = field(default_factory=list)
+    # TLS on every listener and intra-cluster call (`shardgrid dev --tls`).
+    pki: DevPki | None = None
 
     def __post_init__(self) -> None:
         self.topo: Topology = load_topology(self.topology_text)
+        self.client_tls: ssl.SSLContext | None = client_context(self.pki.ca) if self.pki is not None else None
+
+    def tls_args(self) -> list[str]:
+        """Every child's TLS flags: it serves HTTPS and verifies its peers against the dev CA."""
+        if self.pki is None:
+            return []
+        return ["--tls-cert", str(self.pki.cert), "--tls-key", str(self.pki.key), "--tls-ca", str(self.pki.ca)]
+
+    def url(self, addr: str) -> str:
+        return base_url(addr, self.client_tls)
 
     @property
     def meta_addrs(self) -> list[str]:
@@ -198,7 +220,7 @@ class LocalCluster:
     def _worker_args(self, wid: str, http: str, zone: str) -> list[str]:
         return ["worker", "--id", wid, "--http", http, "--meta", ",".join(self.meta_addrs),
                 "--data", str(self.data / "workers" / wid), "--zone", zone,
-                "--secret-file", str(self.data / "cluster.secret")]
+                "--secret-file", str(self.data / "cluster.secret"), *self.tls_args()]
 
     def add_worker(self, extra: list[str] | None = None) -> Child:
         """A worker the topology does not declare, on the next free port after
@@ -239,21 +261,21 @@ class LocalCluster:
             peers = ",".join(f"{p.id}/{p.raft}/{p.http}" for p in topo.meta if p.id != node.id)
             self._child(node.id, ["meta", "--id", node.id, "--raft", node.raft, "--http", node.http,
                                   "--peers", peers, "--data", str(self.data / "meta" / node.id),
-                                  "--secret-file", str(secret)])
+                                  "--secret-file", str(secret), *self.tls_args()])
         self.say("waiting for the meta nodes to elect a leader ...")
-        health = asyncio.run(wait_meta_ready(self.meta_addrs, timeout_s))
+        health = asyncio.run(wait_meta_ready(self.meta_addrs, timeout_s, self.client_tls))
         self.say(f"meta leader: {health['leader']}")
-        result = asyncio.run(apply_topology(self.meta_addrs, self.topology_text))
+        result = asyncio.run(apply_topology(self.meta_addrs, self.topology_text, self.client_tls))
         self.say(f"topology applied (topology revision {result['topology_revision']})")
         meta = ",".join(self.meta_addrs)
         for w in topo.workers:
             self._child(w.id, self._worker_args(w.id, w.http, w.zone))
         for i, gw in enumerate(self.gateways):
             self._child(f"g{i + 1}", ["gateway", "--http", gw, "--meta", meta, "--id", f"g{i + 1}",
-                                      "--secret-file", str(secret), *self.gateway_args])
+                                      "--secret-file", str(secret), *self.tls_args(), *self.gateway_args])
         self.say("waiting for every group to have a ready leader ...")
-        view = asyncio.run(wait_groups_ready(self.meta_addrs, timeout_s))
-        asyncio.run(wait_http_ok([f"http://{g}/healthz" for g in self.gateways], timeout_s))
+        view = asyncio.run(wait_groups_ready(self.meta_addrs, timeout_s, tls=self.client_tls))
+        asyncio.run(wait_http_ok([self.url(g) + "/healthz" for g in self.gateways], timeout_s, self.client_tls))
         return view
 
     def dead_children(self) -> list[Child]:
@@ -287,6 +309,8 @@ class DevOptions:
     workers: int | None = None
     shards: int | None = None
     gateways: int = 1
+    gateway_port: int = 8080
+    tls: bool = False
 
 
 def run_dev(opts: DevOptions) -> int:
@@ -296,7 +320,10 @@ def run_dev(opts: DevOptions) -> int:
         text = opts.topology.read_text(encoding="utf-8")
     if opts.fresh and opts.data.exists():
         shutil.rmtree(opts.data)
-    cluster = LocalCluster(text, opts.data, gateways=[f"127.0.0.1:{8080 + i}" for i in range(opts.gateways)])
+    # A new CA every run: nothing outlives the cluster that could sign for it.
+    pki = dev_pki(opts.data / "tls") if opts.tls else None
+    cluster = LocalCluster(text, opts.data, pki=pki,
+                           gateways=[f"127.0.0.1:{opts.gateway_port + i}" for i in range(opts.gateways)])
     control = DevControl(opts.data, DevActions(children=lambda: list(cluster.children),
                                                start_child=cluster.start_child, add_worker=cluster.add_worker))
     stopping = False
@@ -313,20 +340,25 @@ def run_dev(opts: DevOptions) -> int:
         view = cluster.start()
         for gid, g in sorted(view["groups"].items(), key=lambda kv: int(kv[0])):
             _say(f"  group {gid}: leader {g['leader']} term {g['term']} voters {','.join(g['voters'])}")
-        gw = cluster.gateways[0]
+        gw = cluster.url(cluster.gateways[0])
         dim = cluster.topo.settings.embedding_dim
+        curl = "curl -s" if pki is None else f"curl -s --cacert {pki.ca}"
         _say("")
         _say(f"cluster '{cluster.topo.cluster}' is up. data: {opts.data}")
-        _say(f"  gateway:  http://{gw}" + "".join(f", http://{g}" for g in cluster.gateways[1:]))
-        _say(f"  meta:     {', '.join('http://' + a for a in cluster.meta_addrs)}")
-        _say(f"  workers:  {', '.join('http://' + w.http for w in cluster.topo.workers)}")
+        _say(f"  gateway:  {', '.join(cluster.url(g) for g in cluster.gateways)}")
+        _say(f"  meta:     {', '.join(cluster.url(a) for a in cluster.meta_addrs)}")
+        _say(f"  workers:  {', '.join(cluster.url(w.http) for w in cluster.topo.workers)}")
+        if pki is not None:
+            _say(f"  TLS:      every listener serves HTTPS; CA certificate {pki.ca} (made for this run; "
+                 f"certificate valid for 127.0.0.1, ::1, localhost)")
         _say("  try:")
-        _say(f"    curl -s -XPUT http://{gw}/items/hello -d '{{\"greeting\": \"hi\"}}'")
-        _say(f"    curl -s http://{gw}/items/hello")
-        _say(f"    curl -s -XPUT http://{gw}/embeddings/e1 -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})')}}\""
-             f" && curl -s -XPOST http://{gw}/search -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})'), "
+        _say(f"    {curl} -XPUT {gw}/items/hello -d '{{\"greeting\": \"hi\"}}'")
+        _say(f"    {curl} {gw}/items/hello")
+        _say(f"    {curl} -XPUT {gw}/embeddings/e1 -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})')}}\""
+             f" && {curl} -XPOST {gw}/search -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})'), "
              f"\\\"k\\\": 3}}\"")
-        _say(f"    .venv/bin/topoctl --meta {','.join(cluster.meta_addrs)} status")
+        tls_arg = "" if pki is None else f" --tls-ca {pki.ca}"
+        _say(f"    .venv/bin/topoctl --meta {','.join(cluster.meta_addrs)}{tls_arg} status")
         data_arg = "" if str(opts.data) == DEFAULT_DATA else f" --data {opts.data}"
         _say("  and failures, from another shell (the cluster goes on when a child exits):")
         _say(f"    .venv/bin/shardgrid dev ps{data_arg}")

@@ -10,6 +10,9 @@
     topoctl operators                placement changes in progress
 
 Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
+With --tls-ca or SHARDGRID_TLS_CA, host:port addresses are dialled over https
+and meta must present a certificate that CA signed for the address; an address
+given as http:// is then refused (exit 1), so the admin token never goes in clear.
 Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import orjson
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.auth import SecretFileError, read_secret
 from shardgrid.drift import drift, render_apply_drift, render_drift
+from shardgrid.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
@@ -47,10 +51,25 @@ def _err(line: str) -> None:
     sys.stderr.flush()
 
 
-def _client(args: argparse.Namespace) -> MetaClient:
+class _Client(MetaClient):
+    """MetaClient that, holding a token but no CA, first checks that meta speaks plain http.
+
+    With a CA, MetaClient refuses http:// addresses outright. Without one, an
+    operator who forgot --tls-ca against an HTTPS cluster would write the token
+    in clear onto the wire (the server then only fails the handshake): a
+    tokenless GET first fails instead, and the token is never sent."""
+
+    async def __aenter__(self) -> "_Client":
+        if self.admin_token is not None and self.tls is None and any(a.startswith("http://") for a in self.addrs):
+            await self.request("GET", "/healthz")  # MetaUnreachable: exit 3, with the --tls-ca hint
+        return self
+
+
+def _client(args: argparse.Namespace) -> _Client:
     addrs = [a.strip() for a in args.meta.split(",") if a.strip()]
     token = read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN")
-    return MetaClient(addrs, admin_token=token, deadline_s=args.timeout)
+    tls = client_context(Path(args.tls_ca)) if args.tls_ca else None
+    return _Client(addrs, admin_token=token, deadline_s=args.timeout, tls=tls)
 
 
 # -- apply ---------------------------------------------------------------------
@@ -466,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to keep trying the meta nodes before giving up (default 10)")
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the admin token (else env SHARDGRID_ADMIN_TOKEN)")
+    p.add_argument("--tls-ca", default=os.environ.get(CA_ENV) or None, metavar="PEM",
+                   help=f"talk to meta over https, verified against this CA (env {CA_ENV})")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
     a.add_argument("file")
@@ -519,8 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(asyncio.run(args.func(args)))
     except MetaUnreachable as exc:
         _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
+        if args.tls_ca is None and "ServerDisconnected" in str(exc):
+            # What plain http to an HTTPS listener looks like from here.
+            _err(f"topoctl: if the cluster serves HTTPS, pass --tls-ca PEM (or {CA_ENV})")
         return EXIT_UNREACHABLE
-    except SecretFileError as exc:
+    except (SecretFileError, TlsConfigError) as exc:
         _err(f"topoctl: {exc}")
         return EXIT_REJECTED
     except MetaError as exc:

@@ -943,7 +943,7 @@ class GroupShell:
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=self.transport.connector(),
                                                   middlewares=self.transport.middlewares)
-        base = f"http://{addr}/v1/groups/{self.gid}/snapshot"
+        base = f"{self.transport.scheme}://{addr}/v1/groups/{self.gid}/snapshot"
         try:
             async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:

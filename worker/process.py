@@ -32,6 +32,7 @@ from shardgrid.peerauth import ClusterKeys, Principal
 from shardgrid.peerauth_http import PeerSigner
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner
+from shardgrid.tls import NO_TLS, Tls
 from topology.model import Settings
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
@@ -68,6 +69,7 @@ class WorkerConfig:
     # The cluster secret(s) (None: intra-cluster traffic is not authenticated, tests only).
     cluster_keys: ClusterKeys | None = field(default=None, repr=False)
     identity: SoftwareIdentity = SoftwareIdentity("", "")
+    tls: Tls = field(default=NO_TLS)
 
 
 class _BatchingCollector:
@@ -108,7 +110,8 @@ class WorkerNode:
         self.log = log
         self.principal = Principal("worker", cfg.id)
         signer: tuple[Any, ...] = (PeerSigner(cfg.cluster_keys, self.principal),) if cfg.cluster_keys else ()
-        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr, middlewares=signer)
+        self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr, tls=cfg.tls.client,
+                               middlewares=signer)
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
         labels = ["group"]
@@ -141,7 +144,8 @@ class WorkerNode:
         self.view: dict[str, Any] | None = None
         self.registered = False
         self.default_ack = "quorum"
-        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr, middlewares=signer)
+        self.transport = Transport(self.peer_addr, log, local_addr=cfg.source_addr, tls=cfg.tls.client,
+                                   middlewares=signer)
         # The snapshot downloads this worker serves to learners; the topology's settings set the limits.
         self.snapshot_serving = SnapshotServing.create(Settings.snapshot_concurrency, Settings.snapshot_rate_mb_s,
                                                        time.monotonic())
@@ -561,10 +565,11 @@ async def serve(cfg: WorkerConfig) -> None:
     runner = app_runner(WorkerApi(node).app(), shutdown_timeout=2.0)
     await runner.setup()
     host, port = _split(cfg.listen)
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=cfg.tls.server).start()
     node.start_background()
     gc_policy = start_gc_policy(log)
-    log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data))
+    log.info("worker_started", listen=cfg.listen, advertise=cfg.advertise, data=str(cfg.data),
+             https=cfg.tls.server is not None, peers_tls=cfg.tls.client is not None)
     await stop.wait()
     log.info("worker_stopping")
     gc_policy.cancel()

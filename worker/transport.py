@@ -21,12 +21,14 @@ neither the stream endpoint nor the "ops" entries it carries.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import aiohttp
 
+from shardgrid.tls import connector_ssl, scheme
 from shardgrid.wire import pack_frames
 from worker.codec import encode_message
 from worker.replica_msgs import Message
@@ -51,10 +53,11 @@ class SendStats:
 
 
 class _Peer:
-    def __init__(self, addr: str, session: aiohttp.ClientSession, log: Any, stats: SendStats) -> None:
+    def __init__(self, addr: str, session: aiohttp.ClientSession, log: Any, stats: SendStats,
+                 url_scheme: str = "http") -> None:
         self.addr = addr
         self.stats = stats
-        self.url = f"http://{addr}{STREAM_PATH}"
+        self.url = f"{url_scheme}://{addr}{STREAM_PATH}"
         self.queue: deque[list[Any]] = deque()
         self.wake = asyncio.Event()
         self.session = session
@@ -153,11 +156,14 @@ class Transport:
     """Routes outgoing messages to peers by worker id, resolved through `resolve`."""
 
     def __init__(self, resolve: Callable[[str], str | None], log: Any, local_addr: str | None = None,
-                 middlewares: tuple[Any, ...] = ()) -> None:
+                 tls: ssl.SSLContext | None = None, middlewares: tuple[Any, ...] = ()) -> None:
         self._resolve = resolve
         # The request signer (shardgrid/peerauth_http.py): every session to a peer carries it.
         self.middlewares = middlewares
         self.local_addr = local_addr
+        # Peers' streams and snapshot downloads: https/wss verified against its CA when set.
+        self.tls = tls
+        self.scheme = scheme(tls)
         self._peers: dict[str, _Peer] = {}
         self._session: aiohttp.ClientSession | None = None
         self.log = log
@@ -171,10 +177,10 @@ class Transport:
         return self._session
 
     def connector(self, **kw: Any) -> aiohttp.TCPConnector:
-        """Connections from this worker's source address, when one is set."""
+        """Connections from this worker's source address, when one is set, with its TLS."""
         if self.local_addr:
             kw["local_addr"] = (self.local_addr, 0)
-        return aiohttp.TCPConnector(**kw)
+        return aiohttp.TCPConnector(ssl=connector_ssl(self.tls), **kw)
 
     def send(self, msg: Message) -> None:
         addr = self._resolve(msg.dst)
@@ -182,7 +188,7 @@ class Transport:
             return  # unknown peer (not yet in meta's view): the core retransmits
         peer = self._peers.get(addr)
         if peer is None:
-            peer = self._peers[addr] = _Peer(addr, self._sess(), self.log, self.stats)
+            peer = self._peers[addr] = _Peer(addr, self._sess(), self.log, self.stats, self.scheme)
         peer.send(encode_message(msg))
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -54,14 +55,15 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 2.0,
-              headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    """A blocking JSON call (usable from sync code and from inside an event loop alike)."""
+              headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None) -> tuple[int, Any]:
+    """A blocking JSON call (usable from sync code and from inside an event loop alike);
+    `context` verifies an https server."""
     data = orjson.dumps(body) if body is not None and not isinstance(body, (bytes, str)) else body
     if isinstance(data, str):
         data = data.encode()
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             status, raw = r.status, r.read()
     except urllib.error.HTTPError as err:
         status, raw = err.code, err.read()

@@ -83,6 +83,7 @@ def test_cli_usage_errors() -> None:
         (["--batch", "5", "--mix", "get=1"], "--mix has none"),
         (["--batch", "1001"], "--batch must be between 0"),
         (["--gateway", "127.0.0.1:8080"], "expected http://HOST:PORT"),
+        (["--gateway", "https://127.0.0.1:8080"], "the raw client speaks plain HTTP only"),
         (["--cluster", "local", "--workers", "2", "--rf", "3"], "--rf 3 needs 1..--workers (2)"),
         (["--cluster", "local", "--snapshot-every", "0"], "--snapshot-every must be >= 1"),
         (["--cluster", "local", "--target", "etcd", "--snapshot-every", "5"], "is a shardgrid setting"),
@@ -95,6 +96,8 @@ def test_cli_usage_errors() -> None:
     opts = options_from_args(_args("--rate", "500", "--procs", "2", "--mix", "put=3,get=1", "--ack", "all"))
     assert opts.load.rate == 500 and opts.load.mix == (("put", 3.0), ("get", 1.0)) and opts.load.ack == "all"
     assert opts.load.urls == ("http://127.0.0.1:8080",)
+    assert options_from_args(_args("--gateway", "https://127.0.0.1:1", "--client", "aiohttp")).load.urls == \
+        ("https://127.0.0.1:1",)
     local = options_from_args(_args("--cluster", "local", "--snapshot-every", "2000", "--fsync", "none"))
     assert local_settings(local) == "{ack: quorum, fsync: none, snapshot_every: 2000}"
     assert local_settings(options_from_args(_args("--cluster", "local"))) == "{ack: quorum, fsync: batch}"

@@ -160,6 +160,7 @@ async def test_ranges_and_a_gone_snapshot(source: Source) -> None:
 
 class _Transport:
     middlewares = ()
+    scheme = "http"
 
     def connector(self) -> aiohttp.TCPConnector:
         return aiohttp.TCPConnector()
