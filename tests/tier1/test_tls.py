@@ -11,6 +11,8 @@ from typing import AsyncIterator
 
 import aiohttp
 import pytest
+
+from shardgrid.auth import write_secret
 from aiohttp import web
 
 from gateway.router import RoutingTable
@@ -168,18 +170,21 @@ def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: 
     loose = tmp_path / "loose.key"
     loose.write_bytes(pki.key.read_bytes())
     loose.chmod(0o640)
-    gateway = ["gateway", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2"]
+    secret = tmp_path / "cluster.secret"
+    write_secret(secret, "s3cret")
+    gateway = ["gateway", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--secret-file", str(secret)]
     assert cli.main([*gateway, "--tls-cert", str(pki.cert)]) == 2
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
     assert cli.main([*gateway, "--tls-cert", str(pki.cert), "--tls-key", str(loose)]) == 2
     assert "chmod 600" in capsys.readouterr().err
-    worker = ["worker", "--id", "w1", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--data", str(tmp_path / "w")]
+    worker = ["worker", "--id", "w1", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--data", str(tmp_path / "w"),
+              "--secret-file", str(secret)]
     assert cli.main([*worker, "--tls-ca", str(tmp_path / "nope.pem")]) == 2
     assert "shardgrid worker: cannot load CA certificate" in capsys.readouterr().err
     # A gateway forwards callers' admin tokens to meta: with a CA, never to an http:// address.
     # In a process of its own: its serve() configures logging onto this process's stderr.
     gw = subprocess.run([sys.executable, "-m", "shardgrid.cli", "gateway", "--http", "127.0.0.1:1", "--meta",
-                         "http://127.0.0.1:2", "--tls-ca", str(pki.ca)], capture_output=True, text=True, timeout=60)
+                         "http://127.0.0.1:2", "--tls-ca", str(pki.ca), "--secret-file", str(secret)], capture_output=True, text=True, timeout=60)
     assert gw.returncode == 2 and "http://127.0.0.1:2 is plain http" in gw.stderr, gw.stderr
 
 
