@@ -11,13 +11,12 @@ from typing import AsyncIterator
 
 import aiohttp
 import pytest
-
-from shardgrid.auth import write_secret
 from aiohttp import web
 
 from gateway.router import RoutingTable
 from meta.client import MetaClient, TokenInClear
 from shardgrid import topoctl
+from shardgrid.auth import write_secret
 from shardgrid.tls import (NO_TLS, DevPki, Tls, TlsConfigError, add_tls_arguments, base_url, client_context,
                            connector_ssl, dev_pki, scheme, server_context, tls_from_args)
 
