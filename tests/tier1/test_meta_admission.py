@@ -21,19 +21,12 @@ from shardgrid.peerauth_http import PeerSigner
 from tests.support.cluster import free_ports
 from topology.errors import TopologyError
 from topology.loader import load_topology
+from tests.support.waiting import until
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").read_text()
 TOKEN = "admin-tok"
 KEYS = ClusterKeys(["cluster-s3cret"])
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-async def _until(cond: Any, what: str) -> None:
-    for _ in range(200):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{what} within 10 s")
 
 
 @pytest.fixture
@@ -46,7 +39,7 @@ async def meta(tmp_path: Path) -> AsyncIterator[tuple[str, MetaServer]]:
     srv = TestServer(server.app())
     await srv.start_server()
     try:
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         text = EXAMPLE.replace("settings: {", "settings: {allowed_versions: [\"1.0\", \"1.1\"], ", 1)
         async with aiohttp.ClientSession() as s:
             async with s.put(str(srv.make_url("/v1/topology")), data=text.encode(), headers=AUTH) as r:

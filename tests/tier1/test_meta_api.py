@@ -13,17 +13,10 @@ from meta.controller import SoftState, unusable
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import SERVER_KEY, MetaServer, MetaServerConfig, _now_ms
 from tests.support.cluster import free_ports
+from tests.support.waiting import until
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "topology.yaml").read_text()
 TOKEN = "s3cret-admin"
-
-
-async def _until(cond: Any, what: str) -> None:
-    for _ in range(200):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{what} within 10 s")
 
 
 def _single_meta(tmp_path: Path, config: MetaServerConfig) -> tuple[MetaRaft, MetaServer]:
@@ -38,7 +31,7 @@ async def api(tmp_path: Path, aiohttp_client: Any) -> AsyncIterator[TestClient]:
     raft, server = _single_meta(tmp_path, MetaServerConfig(admin_token=TOKEN))
     try:
         client = await aiohttp_client(server.app())
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         yield client
     finally:
         raft.close()
@@ -125,7 +118,7 @@ async def test_watches_are_capped_and_a_non_finite_timeout_is_refused(api: TestC
         resp = await api.get("/v1/cluster", params={"wait": str(rev), "timeout": bad})
         assert resp.status == 400 and "finite" in (await resp.json())["error"]["message"], bad
     first = asyncio.create_task(api.get("/v1/cluster", params={"wait": str(rev), "timeout": "10"}))
-    await _until(lambda: server._watchers == 1, "the first watch to be held")
+    await until(lambda: server._watchers == 1, "the first watch to be held")
     second = await api.get("/v1/cluster", params={"wait": str(rev), "timeout": "10"})
     err = (await second.json())["error"]
     assert second.status == 503 and err["code"] == "overloaded" and err["retry_elsewhere"] is True, err
@@ -214,11 +207,11 @@ async def meta_and_worker(tmp_path: Path, aiohttp_client: Any, aiohttp_server: A
     worker = await aiohttp_server(app)
     try:
         client = await aiohttp_client(server.app())
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         assert (await put(client, EXAMPLE)).status == 200
         assert (await raft.submit({"op": "register_worker", "id": "w1", "addr": f"127.0.0.1:{worker.port}"}, 5.0))["ok"]
         assert (await raft.submit({"op": "set_ready", "group": 0, "term": 1, "leader": "w1"}, 5.0))["ok"]
-        await _until(lambda: server.soft is not None, "the controller to start")
+        await until(lambda: server.soft is not None, "the controller to start")
         for wid in ("w1", "w2", "w3"):
             hb = await client.post(f"/v1/workers/{wid}/heartbeat", json={"groups": {"0": {
                 "term": 1, "last_term": 1, "last_seq": 10, "commit": 10, "applied": 10,
@@ -373,14 +366,14 @@ async def test_the_controller_asks_the_worker_first_and_a_refusal_starts_nothing
     behaviour["refuse"] = "insufficient_disk"
     await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
     assert 0 in server._busy_groups  # asked off the controller pass, the group held meanwhile
-    await _until(lambda: 0 not in server._busy_groups, "the assignment question to end")
+    await until(lambda: 0 not in server._busy_groups, "the assignment question to end")
     assert calls[-1] == {"assignment": {"group": 0, "bytes": 12345}}  # sized from the biggest voter's report
     assert not raft.sm.operators and server.soft.refused[(0, "w1")].reason == "insufficient_disk"
     assert 'shardgrid_meta_controller_decisions_total{kind="refused",reason="insufficient_disk"} 1.0' in \
         await (await client.get("/metrics")).text()
     behaviour["refuse"] = None
     await server._execute(StartOperator(0, "add", "w1", "fill it", by="fill"))
-    await _until(lambda: 0 not in server._busy_groups, "the assignment to start")
+    await until(lambda: 0 not in server._busy_groups, "the assignment to start")
     op = raft.sm.operators[0]
     assert (op.kind, op.worker, op.by, op.step) == ("add", "w1", "fill", "add_learner")
     # Given up on: cancelled, and w1 refused for the group (reason "timeout").
@@ -393,7 +386,7 @@ async def test_the_same_pinned_file_again_steers_back_what_the_controller_moved(
     raft, server = _single_meta(tmp_path, MetaServerConfig())
     try:
         api = await aiohttp_client(server.app())
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         assert (await put(api, EXAMPLE)).status == 200
         # Repair's trace: group 1's target took w4 in w3's place; the add is still on its way.
         assert (await raft.submit({"op": "put_operator", "group": 1, "kind": "add", "worker": "w4",
@@ -442,7 +435,7 @@ async def test_hot_relief_prefers_then_transfers_and_counts_the_decision(meta_an
 
     beating = asyncio.create_task(beat())
     try:
-        await _until(lambda: raft.sm.groups[0].leader == "w2", "group 0's leadership to move to w2")
+        await until(lambda: raft.sm.groups[0].leader == "w2", "group 0's leadership to move to w2")
         assert raft.sm.groups[0].preferred_leader == "w2" and calls[-1] == {"to": "w2"}
         assert server._hot.held(0, _now_ms())
         await asyncio.sleep(1.5)  # more than a window: nothing moves back, group 1 stays
@@ -517,7 +510,7 @@ async def test_without_an_admin_token_a_silent_worker_may_move_a_live_one_may_no
     raft, server = _single_meta(tmp_path, MetaServerConfig())
     try:
         client = await aiohttp_client(server.app())
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         assert (await _register(client, "w7", "127.0.0.1:9"))[0] == 200
         with structlog.testing.capture_logs() as logs:
             assert (await _register(client, "w7", "127.0.0.1:99"))[0] == 200

@@ -2,7 +2,6 @@
 session, of the right role; a replication message speaks only for its sender."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -20,14 +19,7 @@ from worker.codec import encode_message
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import CALLS_PATH, WorkerApi
 from worker.transport import STREAM_PATH
-
-async def _until(cond: Any, what: str) -> None:
-    for _ in range(200):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{what} within 10 s")
-
+from tests.support.waiting import until
 
 KEYS = ClusterKeys(["cluster-s3cret"])
 W2, GW, META = Principal("worker", "w2"), Principal("gateway", "g1"), Principal("meta", "m1")
@@ -117,7 +109,7 @@ async def test_a_replication_message_speaks_only_for_its_sender(worker: Any) -> 
                                       encode_message(m.Heartbeat(group=0, src="w2", dst="w1", term=1, commit=2, round=0))]):
                 await sock.send_bytes(frame)
             await sock.close()
-    await _until(lambda: len(shell.delivered) == 2, "the stream's good message")
+    await until(lambda: len(shell.delivered) == 2, "the stream's good message")
     assert [msg.src for msg in shell.delivered] == ["w2", "w2"]
     assert node.metrics.registry.get_sample_value("shardgrid_peer_auth_refused_total",
                                                   {"reason": "wrong_sender"}) == 2.0
