@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import ssl
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 import sys
@@ -269,3 +271,35 @@ class Cluster:
         return subprocess.run([sys.executable, "-m", "shardgrid.topoctl", "--meta", meta or self.meta_addrs,
                                "--timeout", str(max(1.0, timeout - 1.0)), *args],
                               capture_output=True, text=True, timeout=timeout + 10)
+
+
+class DevRun:
+    """`shardgrid dev ARGS` as a child in its own process group, its output collected line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardgrid.cli", "dev", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_up(self, timeout: float) -> str:
+        """Wait for the banner (or an exit); return the output so far."""
+        wait_until(lambda: any("Ctrl-C stops everything" in ln for ln in self.lines) or self.proc.poll() is not None,
+                   timeout, "shardgrid dev to be up", interval=0.2)
+        assert self.proc.poll() is None, self.output
+        return self.output
+
+    def kill(self) -> None:
+        """SIGKILL the whole group (its children too), if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

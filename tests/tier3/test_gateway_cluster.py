@@ -14,7 +14,7 @@ from typing import Iterator
 import orjson
 import pytest
 
-from tests.support.cluster import Cluster, http_json, wait_until
+from tests.support.cluster import Cluster, DevRun, http_json, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
 
@@ -124,19 +124,10 @@ def test_transfer_and_replica_moves_under_load_are_invisible_to_clients(cluster:
 
 
 def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "shardgrid.cli", "dev", "--data", str(tmp_path / "dev"),
-                             "--fresh"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: list[str] = []
+    run = DevRun(["--data", str(tmp_path / "dev"), "--fresh"])
+    proc, lines = run.proc, run.lines
     try:
-        def reader() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-        threading.Thread(target=reader, daemon=True).start()
-        wait_until(lambda: any("Ctrl-C stops everything" in ln for ln in lines), 90, "shardgrid dev to be up",
-                   interval=0.2)
-        out = "".join(lines)
+        out = run.wait_up(90)
         assert "gateway:  http://127.0.0.1:8080" in out and "curl" in out
         code, body = http_json("PUT", "http://127.0.0.1:8080/items/hello", {"greeting": "hi"}, timeout=5)
         assert code == 200, body
@@ -177,9 +168,7 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
         stopped = next(ln for ln in lines if ln.startswith("stopped:"))
         assert all(part.strip().endswith("=0") for part in stopped[len("stopped:"):].split(",")), stopped
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        run.kill()
 
 
 @pytest.mark.parametrize("mode", ["closed", "closed-batch5", "open-2procs"])

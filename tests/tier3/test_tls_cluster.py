@@ -15,14 +15,13 @@ import signal
 import ssl
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import free_ports, http_json, wait_until
+from tests.support.cluster import DevRun, free_ports, http_json, wait_until
 
 pytestmark = pytest.mark.tier3
 
@@ -56,21 +55,11 @@ def test_shardgrid_dev_tls(tmp_path: Path) -> None:
     gw_addr, meta_addrs = f"127.0.0.1:{ports[9]}", [f"127.0.0.1:{p}" for p in ports[3:6]]
     env = {**os.environ, "SHARDGRID_ADMIN_TOKEN": TOKEN}
     env.pop("SHARDGRID_TLS_CA", None)
-    proc = subprocess.Popen([sys.executable, "-m", "shardgrid.cli", "dev", "--tls", "--fresh", "--data", str(data),
-                             "--topology", str(topo), "--gateway-port", str(ports[9])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env)
-    lines: list[str] = []
+    run = DevRun(["--tls", "--fresh", "--data", str(data), "--topology", str(topo), "--gateway-port", str(ports[9])],
+                 env=env)
+    proc, lines = run.proc, run.lines
     try:
-        def reader() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-        threading.Thread(target=reader, daemon=True).start()
-        wait_until(lambda: any("Ctrl-C stops everything" in ln for ln in lines) or proc.poll() is not None, 120,
-                   "shardgrid dev --tls to be up", interval=0.2)
-        out = "".join(lines)
-        assert proc.poll() is None, out
+        out = run.wait_up(120)
         ca = data / "tls" / "ca.pem"
         assert f"gateway:  https://{gw_addr}" in out and f"--cacert {ca}" in out, out
         assert oct((data / "tls" / "server.key").stat().st_mode & 0o777) == "0o600"
@@ -143,7 +132,4 @@ def test_shardgrid_dev_tls(tmp_path: Path) -> None:
         stopped = next(ln for ln in lines if ln.startswith("stopped:"))
         assert all(part.strip().endswith("=0") for part in stopped[len("stopped:"):].split(",")), stopped
     finally:
-        if proc.poll() is None:
-            # The children die with it (PR_SET_PDEATHSIG); its own group goes too.
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        run.kill()
