@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 import sys
 import time
@@ -25,6 +26,10 @@ import aiohttp
 import orjson
 
 from shardgrid.auth import write_secret
+from shardgrid.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClusterKeys, open_client_session,
+                                parse_principal, parse_welcome, make_hello)
+from shardgrid.peerauth import ClientSession as PeerClientSession
+from shardgrid.peerauth_http import WELCOME_HEADER
 from shardgrid.procs import Child, stop_all
 
 
@@ -75,6 +80,49 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 2.0,
         return status, raw.decode()
 
 
+class MemberHttp:
+    """Blocking calls signed as a cluster member (shardgrid/peerauth.py): what tests
+    need to call worker routes directly, from any thread."""
+
+    def __init__(self, secret_path: Path, me: str = "gateway:tests") -> None:
+        self.keys = ClusterKeys.from_text(secret_path.read_text())
+        self.me = parse_principal(me)
+        self._sessions: dict[str, PeerClientSession] = {}
+        self._lock = threading.Lock()
+
+    def _session(self, origin: str, timeout: float) -> PeerClientSession:
+        with self._lock:
+            sess = self._sessions.get(origin)
+        if sess is not None:
+            return sess
+        hello = make_hello(self.keys, self.me)
+        req = urllib.request.Request(origin + HELLO_PATH, data=b"", method="POST",
+                                     headers={HELLO_HEADER: hello.header()})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            welcome = parse_welcome(r.headers.get(WELCOME_HEADER))
+        sess = PeerClientSession(welcome.sid, open_client_session(self.keys, hello, welcome), welcome.server)
+        with self._lock:
+            return self._sessions.setdefault(origin, sess)
+
+    def json(self, method: str, url: str, body: Any = None, timeout: float = 2.0) -> tuple[int, Any]:
+        parts = urllib.parse.urlsplit(url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        path_qs = parts.path + (f"?{parts.query}" if parts.query else "")
+        data = orjson.dumps(body) if body is not None else b""
+        for _ in range(2):
+            sess = self._session(origin, timeout)
+            with self._lock:
+                auth = sess.sign(method, path_qs, data)
+            code, answer = http_json(method, url, data if body is not None else None, timeout,
+                                     headers={AUTH_HEADER: auth, "Content-Type": "application/json"})
+            if code == 401 and isinstance(answer, dict) and answer.get("error", {}).get("reason") == "session_unknown":
+                with self._lock:
+                    self._sessions.pop(origin, None)
+                continue
+            return code, answer
+        return code, answer
+
+
 @dataclass
 class MetaSpec:
     id: str
@@ -112,6 +160,10 @@ class Cluster:
     @property
     def secret_path(self) -> Path:
         return self.root / "cluster.secret"
+
+    def member(self) -> MemberHttp:
+        """A signed client (principal gateway:tests) for calling worker routes directly."""
+        return MemberHttp(self.secret_path)
 
     # -- topology ------------------------------------------------------------------
 

@@ -122,6 +122,7 @@ class FollowerReader(threading.Thread):
         self.skip: set[str] = set()
         self.reads = 0
         self.failures: list[str] = []
+        self.http = c.member()  # worker routes take only cluster members
 
     def run(self) -> None:
         rng = random.Random(5)
@@ -131,7 +132,7 @@ class FollowerReader(threading.Thread):
                     continue
                 gid = rng.randrange(3)
                 try:
-                    code, body = http_json("POST", f"http://{addr}/v1/groups/{gid}/read",
+                    code, body = self.http.json("POST", f"http://{addr}/v1/groups/{gid}/read",
                                            {"query": {"kind": "get_item", "id": "probe"}, "consistency": "follower"},
                                            timeout=2)
                 except OSError as exc:

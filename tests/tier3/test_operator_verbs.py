@@ -43,6 +43,7 @@ class LoadThread(threading.Thread):
         self.details: list[str] = []  # when, where and what, for each error and unknown outcome
         self.unknown = 0
         self.not_leader = 0
+        self.http = c.member()  # worker routes take only cluster members
 
     def leader_addr(self) -> str:
         v = self.c.view()
@@ -57,7 +58,7 @@ class LoadThread(threading.Thread):
             end = time.monotonic() + 10
             while time.monotonic() < end:
                 try:
-                    status, resp = http_json("POST", f"http://{addr}/v1/groups/{self.gid}/write", body, timeout=4)
+                    status, resp = self.http.json("POST", f"http://{addr}/v1/groups/{self.gid}/write", body, timeout=4)
                 except OSError as exc:
                     self.errors.append((0, type(exc).__name__))
                     addr = self.leader_addr()
@@ -86,7 +87,7 @@ def read_all(c: Cluster, wid: str, gid: int, keys: dict[str, int]) -> list[str]:
     missing = []
     min_seq = max(keys.values())
     for key in keys:
-        status, body = http_json("POST", f"http://{c.worker_addr(wid)}/v1/groups/{gid}/read",
+        status, body = c.member().json("POST", f"http://{c.worker_addr(wid)}/v1/groups/{gid}/read",
                                  {"query": {"kind": "get_item", "id": key}, "consistency": "follower",
                                   "min_seq": min_seq}, timeout=5)
         if status != 200 or body["result"] != {"v": key}:
@@ -205,8 +206,9 @@ def test_a_snapshot_download_keeps_to_the_rate_and_its_bytes_show_while_it_runs(
         c.boot(c.topology_yaml(snapshot_every=40, groups=GROUPS, settings="snapshot_rate_mb_s: 1"))
         addr = c.worker_addr(c.view()["groups"]["0"]["leader"])
         blob = "x" * 50_000
+        member = c.member()
         for i in range(100):  # ~5 MB in group 0; snapshots every 30-40 writes
-            status, resp = http_json("POST", f"http://{addr}/v1/groups/0/write",
+            status, resp = member.json("POST", f"http://{addr}/v1/groups/0/write",
                                      {"op": {"kind": "put_item", "id": f"big{i}", "doc": {"v": blob}}}, timeout=10)
             assert status == 200, resp
         started = time.monotonic()

@@ -13,6 +13,8 @@ import pytest
 
 from meta.controller import REBALANCE_AFTER_MS
 from tests.support.cluster import Cluster, wait_until
+from shardgrid.peerauth import ClusterKeys, Principal
+from shardgrid.peerauth_http import PeerSigner
 
 pytestmark = pytest.mark.tier3
 
@@ -25,6 +27,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+def member_session(c: Cluster) -> aiohttp.ClientSession:
+    """A session signed as a cluster member: worker routes take no one else."""
+    return aiohttp.ClientSession(middlewares=(PeerSigner(ClusterKeys.from_text(c.secret_path.read_text()),
+                                                         Principal("gateway", "tests")),))
 
 
 async def post(session: aiohttp.ClientSession, addr: str, path: str, body: dict[str, Any],
@@ -73,7 +81,7 @@ def test_writes_need_a_quorum(cluster: Cluster) -> None:
     async def go() -> None:
         w = Writer(c, 0)
         w.refresh_leader()
-        async with aiohttp.ClientSession() as s:
+        async with member_session(c) as s:
             assert await w.write(s, "before")
             for f in followers:
                 c.kill(f)
@@ -102,7 +110,7 @@ def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
     failover_s: list[float] = []
 
     async def go() -> None:
-        async with aiohttp.ClientSession() as s:
+        async with member_session(c) as s:
             for i in range(600):
                 if i == 300:
                     c.kill(victim)
@@ -120,7 +128,7 @@ def test_leader_sigkill_under_writes_then_catch_up(cluster: Cluster) -> None:
 
     async def read_all(addr: str, consistency: str) -> dict[str, Any]:
         out = {}
-        async with aiohttp.ClientSession() as s:
+        async with member_session(c) as s:
             for key in w.acked:
                 status, body = await post(s, addr, f"/v1/groups/{gid}/read",
                                           {"query": {"kind": "get_item", "id": key}, "consistency": consistency,
@@ -159,7 +167,7 @@ def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
     w.refresh_leader()
 
     async def write_n(start: int, n: int) -> None:
-        async with aiohttp.ClientSession() as s:
+        async with member_session(c) as s:
             for i in range(start, start + n):
                 assert await w.write(s, f"c{i}")
     asyncio.run(write_n(0, 150))
@@ -180,7 +188,7 @@ def test_corrupt_wal_resyncs_from_the_leader(cluster: Cluster) -> None:
 
     async def read_back() -> list[str]:
         bad = []
-        async with aiohttp.ClientSession() as s:
+        async with member_session(c) as s:
             for key in w.acked:
                 status, body = await post(s, c.worker_addr(victim), f"/v1/groups/{gid}/read",
                                           {"query": {"kind": "get_item", "id": key}, "consistency": "follower",
@@ -205,7 +213,7 @@ def test_workers_restarted_within_the_lease_get_their_groups_led_again(tmp_path:
         writers = {int(gid): Writer(c, int(gid)) for gid in before}
 
         async def write_each(tag: str) -> None:
-            async with aiohttp.ClientSession() as s:
+            async with member_session(c) as s:
                 for gid, w in writers.items():
                     await asyncio.to_thread(w.refresh_leader)
                     assert await w.write(s, f"{tag}-{gid}"), f"group {gid}: no write acknowledged ({tag})"
