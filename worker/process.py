@@ -121,6 +121,11 @@ class WorkerNode:
         self._wal_sync = Histogram("shardgrid_wal_sync_seconds", "WAL fdatasync duration, all groups of this worker",
                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                                    registry=reg)
+        # Replication messages of the wrong shape, dropped before any core saw them (worker/codec.py).
+        self.peer_malformed = Counter("shardgrid_worker_peer_malformed", "replication messages from peers "
+                                      "dropped as malformed, by message type (frame: not msgpack; batch: not a "
+                                      "list; unknown: no known type); the log names the peer", ["kind"],
+                                      registry=reg)
         self._retries_total = Counter("shardgrid_group_retries", "retries in place of groups failed on a disk "
                                       "error, by outcome (reopened, probe_failed, open_failed)", ["outcome"],
                                       registry=reg)
@@ -181,6 +186,8 @@ class WorkerNode:
         fetch = self._view_fetch
         if fetch is None or fetch.done():
             fetch = self._view_fetch = asyncio.ensure_future(self._fetch_view())
+            self._background.add(fetch)  # cancelled by close()
+            fetch.add_done_callback(self._background.discard)
         view = await asyncio.shield(fetch)
         if view is None:
             return None

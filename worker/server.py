@@ -21,7 +21,7 @@ from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, error_body, er
     pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
-from worker.codec import decode_message
+from worker.codec import MalformedMessage, decode_message
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -157,6 +157,32 @@ class _Outbox:
         self.task.cancel()
 
 
+class _Malformed:
+    """The malformed replication messages of one peer stream or request:
+    each counted (`shardgrid_worker_peer_malformed_total`), the first logged
+    with the peer's address, and how many there were in all when it ends."""
+
+    def __init__(self, node: "WorkerNode", peer: str | None, path: str) -> None:
+        self.node = node
+        self.peer = peer
+        self.path = path
+        self.count = 0
+        self.first: str | None = None
+
+    def add(self, kind: str, reason: str) -> None:
+        self.count += 1
+        self.node.peer_malformed.labels(kind=kind).inc()
+        if self.first is None:
+            self.first = f"{kind}: {reason}"
+            self.node.log.warning("peer_message_malformed", peer=self.peer, path=self.path, kind=kind,
+                                  reason=reason[:200])
+
+    def close(self) -> None:
+        if self.count > 1:
+            self.node.log.warning("peer_messages_malformed", peer=self.peer, path=self.path, count=self.count,
+                                  first=self.first)
+
+
 class WorkerApi:
     def __init__(self, node: "WorkerNode") -> None:
         self.node = node
@@ -214,32 +240,69 @@ class WorkerApi:
         return json_response({"id": self.node.id, "groups": self.node.group_reports(),
                               "corrupt": self.node.corrupt})
 
-    def _deliver_raft(self, batch: Any) -> None:
+    def _decode_raft(self, batch: Any, seen: "_Malformed") -> list[m.Message]:
+        """The well-formed messages of `batch`; the others are counted in `seen`.
+
+        A peer's message of the wrong shape never reaches a core: a wrong type
+        or an Append whose entries do not follow its prev would fail the group."""
+        if type(batch) is not list:
+            seen.add("batch", "a batch of messages must be a list")
+            return []
+        msgs: list[m.Message] = []
         for raw in batch:
-            msg = decode_message(raw)
-            shell = self.node.groups.get(msg.group)
+            try:
+                msgs.append(decode_message(raw))
+            except MalformedMessage as exc:
+                seen.add(exc.kind, exc.reason)
+        return msgs
+
+    def _deliver_raft(self, msgs: list[m.Message]) -> None:
+        groups = self.node.groups
+        for msg in msgs:
+            shell = groups.get(msg.group)
             if shell is not None:
                 shell.deliver(msg)
 
     async def raft(self, request: web.Request) -> web.Response:
-        self._deliver_raft(unpackb(await request.read()))
+        """`POST /v1/raft`: a msgpack list of messages, for tools. A body with
+        any malformed message is refused as a whole (400) and changes nothing."""
+        seen = _Malformed(self.node, request.remote, "/v1/raft")
+        try:
+            batch = unpackb(await request.read())
+        except (ValueError, TypeError) as exc:  # TypeError: a map with an unhashable key
+            seen.add("batch", f"not msgpack: {exc}")
+            raise ApiError("bad_request", "the body must be a msgpack list of replication messages") from None
+        msgs = self._decode_raft(batch, seen)
+        if seen.count:
+            raise ApiError("bad_request", f"{seen.count} malformed replication message(s); first: {seen.first}")
+        self._deliver_raft(msgs)
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
-        """A peer's message stream (worker/transport.py): binary frames of encoded messages."""
+        """A peer's message stream (worker/transport.py): binary frames of encoded messages.
+
+        What is malformed (a frame that is not msgpack, a message of the
+        wrong shape, a text frame) is dropped and counted, and the rest of
+        the stream goes on: frames are independent, and the core
+        retransmits whatever a message dropped here carried."""
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
         await ws.prepare(request)
         self._streams.add(ws)
+        seen = _Malformed(self.node, request.remote, STREAM_PATH)
         try:
             async for frame in ws:
                 if frame.type == WSMsgType.BINARY:
                     try:
-                        self._deliver_raft(unpack_frame(frame.data))
-                    except (ValueError, TypeError, KeyError) as exc:
-                        self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
-                        break
+                        batch = unpack_frame(frame.data)
+                    except ValueError as exc:
+                        seen.add("frame", str(exc))
+                        continue
+                    self._deliver_raft(self._decode_raft(batch, seen))
+                elif frame.type == WSMsgType.TEXT:
+                    seen.add("frame", "a text frame on a binary stream")
         finally:
             self._streams.discard(ws)
+            seen.close()
         return ws
 
     # -- data ops: one implementation for HTTP and for the call stream -------------
