@@ -50,6 +50,10 @@ REGISTER_REFUSED_MAX_S = 10.0
 # How long a fetch of meta's view a core asked for (NeedMetaView) may take:
 # the sender retransmits, and the core asks again.
 VIEW_FETCH_S = 2.0
+# Fetches start at least this far apart: messages from unpublished terms (a
+# forger's, say) cost meta at most ten cluster views a second per worker. One
+# asked for sooner waits and serves everyone who asks meanwhile.
+VIEW_FETCH_GAP_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,7 @@ class WorkerNode:
         reg.register(_BatchingCollector(self.pass_stats, self.transport.stats))
         self._tasks: list[asyncio.Task[None]] = []
         self._view_fetch: asyncio.Future[dict[str, Any] | None] | None = None  # see meta_view
+        self._view_fetched_at = float("-inf")  # when the last one started (monotonic)
         self._beat_now = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         # Bytes on disk per hosted group, measured every SIZE_EVERY_S off the
@@ -195,6 +200,10 @@ class WorkerNode:
         return _meta_view(g) if g is not None and self.id in set(g["voters"]) | set(g["learners"]) else None
 
     async def _fetch_view(self) -> dict[str, Any] | None:
+        wait = self._view_fetched_at + VIEW_FETCH_GAP_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._view_fetched_at = time.monotonic()
         try:
             view = await self.meta.call("GET", "/v1/cluster", deadline_s=VIEW_FETCH_S)
         except (MetaError, MetaUnreachable) as exc:

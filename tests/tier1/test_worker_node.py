@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from prometheus_client import generate_latest
 
 from shardgrid.bench_rounds import COUNTERS, parse_counters
 from worker import replica_msgs as m
-from worker.process import WorkerConfig, WorkerNode
+from worker.process import VIEW_FETCH_GAP_S, WorkerConfig, WorkerNode
 
 
 class _FakeMeta:
@@ -206,6 +207,8 @@ async def test_cores_asking_for_meta_s_view_share_one_fetch_and_a_newer_view_is_
         assert views[2] is None  # not placed here
         assert applied == [8]  # newer than the watch's: applied as if the watch had brought it
         node.view = _cluster(revision=9, term=5)
+        started = time.monotonic()
         assert await node.meta_view(0) is not None and fake.fetches == 2 and applied == [8]  # older: not applied
+        assert time.monotonic() - started >= VIEW_FETCH_GAP_S * 0.9  # fetches are spaced out
     finally:
         await node.transport.close()
