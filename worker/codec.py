@@ -63,6 +63,7 @@ _SHAPES: dict[str, dict[str, str]] = {
     "HeartbeatReply": {"round": _INT, "commit": _OPT_INT},
     "SnapshotNeeded": {"snap_term": _INT, "snap_seq": _INT},
 }
+_WITH_ENTRIES = frozenset(name for name, shape in _SHAPES.items() if "entries" in shape)
 _ABSENT = object()
 
 
@@ -129,7 +130,7 @@ def _message_problem(name: str, body: dict[Any, Any]) -> str | None:
             ok = type(v) is list and len(v) <= MAX_ENTRIES
         if not ok:
             return f"{f} has the wrong type or size"
-    entries = get("entries")
+    entries = get("entries") if name in _WITH_ENTRIES else None  # (another type's extra field is ignored)
     if entries:
         prev_seq = body["prev_seq"]
         t = body["prev_term"]

@@ -5,6 +5,8 @@ from worker import replica_msgs as m
 from worker.codec import MalformedMessage, decode_entry, decode_message, decode_snapshot_meta, encode_entry, \
     encode_message, encode_snapshot_meta
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardgrid.wire import pack_frames, packb, unpack_frame, unpackb
 
@@ -175,3 +177,45 @@ def test_truncated_and_unhashable_frames_are_value_errors() -> None:
         unpack_frame(packb([1, 2]) + packb(["Begin", {}])[:-3])  # the last item cut off
     with pytest.raises(ValueError):
         unpack_frame(b"\x81\x91\x01\x01")  # a map keyed by a list
+
+
+# Anything msgpack can carry, in place of any field (or of the whole body).
+_WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_GOOD_BODIES = [unpackb(packb(encode_message(msg))) for msg in (
+    m.Begin(**ENV), m.BeginOk(**ENV, last_term=2, last_seq=9, commit=8),
+    m.FetchReply(**ENV, ok=True, prev_seq=9, prev_term=2, entries=ENTRIES),
+    m.Append(**ENV, prev_term=2, prev_seq=9, entries=ENTRIES, commit=9),
+    m.AppendReply(**ENV, ok=True, prev_seq=9, match=9), m.HeartbeatReply(**ENV, round=0, commit=3),
+)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.sampled_from(_GOOD_BODIES), field=st.text(min_size=1, max_size=10) | st.sampled_from(
+    ["src", "dst", "group", "term", "entries", "prev_seq", "prev_term", "commit", "ok", "match", "round"]),
+    value=_WIRE_VALUES, entry_at=st.integers(0, 3), entry_field=st.integers(0, 5))
+def test_whatever_a_peer_sends_decodes_to_a_well_typed_message_or_is_refused(
+        base: list, field: str, value: object, entry_at: int, entry_field: int) -> None:  # type: ignore[type-arg]
+    name, body = base
+    body = {**body, field: value}
+    if base[1].get("entries") and (field == "entries" or value is None):
+        # now and then a field inside an entry instead
+        entries = [list(e) for e in base[1]["entries"]]
+        entries[entry_at][entry_field] = value
+        body = {**base[1], "entries": entries}
+    try:
+        msg = decode_message([name, body])
+    except MalformedMessage:
+        return
+    for f in ("group", "term"):
+        v = getattr(msg, f)
+        assert type(v) is int and 0 <= v < 1 << 63
+    assert type(msg.src) is str and type(msg.dst) is str
+    entries = getattr(msg, "entries", ())
+    assert type(entries) is tuple and all(type(e) is m.Entry for e in entries)
+    for i, e in enumerate(entries):
+        assert e.seq == msg.prev_seq + 1 + i and type(e.term) is int and e.term <= msg.term  # type: ignore[attr-defined]
