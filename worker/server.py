@@ -254,6 +254,10 @@ class WorkerApi:
                 msgs.append(decode_message(raw))
             except MalformedMessage as exc:
                 seen.add(exc.kind, exc.reason)
+            except (KeyError, TypeError, ValueError) as exc:
+                # A shape decode_message failed to check (a bug there): still
+                # this message's problem alone, not the stream's.
+                seen.add("unknown", f"{type(exc).__name__}: {exc}")
         return msgs
 
     def _deliver_raft(self, msgs: list[m.Message]) -> None:
