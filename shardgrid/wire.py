@@ -131,14 +131,32 @@ def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES,
         yield b"".join(chunk)
 
 
+# What unpacking a frame raises on bad bytes: msgpack's own errors and
+# ValueError (a length beyond the buffer), and TypeError for a map whose key
+# is a list or a map (unhashable).
+_UNPACK_ERRORS = (msgpack.UnpackException, msgpack.ExtraData, ValueError, TypeError)
+
+
 def unpack_frame(data: bytes) -> list[Any]:
     """The items of one frame written by `pack_frames`. Raises ValueError if it is malformed."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
+    items: list[Any] = []
+    end = 0
     try:
-        return list(unpacker)
-    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
+        for item in unpacker:
+            items.append(item)
+            end = unpacker.tell()
+    except _UNPACK_ERRORS as exc:
         raise ValueError(f"malformed frame: {exc}") from None
+    _whole(end, data)
+    return items
+
+
+def _whole(end: int, data: bytes) -> None:
+    """A frame holds whole items: the Unpacker stops silently at a cut-off last one."""
+    if end != len(data):
+        raise ValueError(f"malformed frame: a truncated item in its last {len(data) - end} bytes")
 
 
 def unpack_frame_sized(data: bytes) -> list[tuple[Any, int]]:
@@ -153,8 +171,9 @@ def unpack_frame_sized(data: bytes) -> list[tuple[Any, int]]:
             end = unpacker.tell()
             out.append((item, end - at))
             at = end
-    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
+    except _UNPACK_ERRORS as exc:
         raise ValueError(f"malformed frame: {exc}") from None
+    _whole(at, data)
     return out
 
 

@@ -87,6 +87,8 @@ BUSY_WAIT_S = 60.0
 # Resending after a second instead of the core's 5 s keeps that from stalling
 # the catch-up; a replica already downloading ignores the repeats.
 SNAPSHOT_RETRY_MS = 1000
+# A message from a term meta has not published is logged at most this often per group.
+UNPUBLISHED_LOG_S = 10.0
 _CORE_DEFAULTS = m.ReplicaConfig()
 MIN_HEARTBEAT_MS = 20  # however short a lease the topology sets: an idle group must not spin
 # The latency p99s a group reports are over this many recent samples (issue
@@ -124,7 +126,11 @@ class GroupHooks(Protocol):
 
     def report_quorum(self, group: int, term: int, ok: bool) -> None: ...
 
-    def refresh_meta(self) -> None: ...
+    async def meta_view(self, group: int) -> m.MetaView | None:
+        """Meta's current assignment of `group`, fetched now (None: meta
+        unreachable, or the group is not placed here). The worker also
+        delivers it to every group it hosts, as a watched view."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -340,6 +346,9 @@ class GroupShell:
         self._arrived: float | None = None
         self._pass_arrived = 0.0
         self._resync_marker: Path | None = None
+        # The fetch of meta's view the core asked for (NeedMetaView): one at a time.
+        self._meta_check: asyncio.Task[None] | None = None
+        self._unpublished_logged_at: float | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -434,7 +443,7 @@ class GroupShell:
         self._task = asyncio.create_task(self._run(), name=f"group-{self.gid}")
 
     async def close(self) -> None:
-        for task in (self._task, self._download):
+        for task in (self._task, self._download, self._meta_check):
             if task is not None:
                 task.cancel()
                 try:
@@ -688,8 +697,8 @@ class GroupShell:
                 self.hooks.report_quorum(self.gid, eff.term, eff.ok)
             elif isinstance(eff, m.TransferReady):
                 self.hooks.transfer_ready(self.gid, eff.target, eff.term)
-            elif isinstance(eff, m.RefreshMeta):
-                self.hooks.refresh_meta()
+            elif isinstance(eff, m.NeedMetaView):
+                self._check_meta(eff.term)
             elif isinstance(eff, m.DownloadSnapshot):
                 self._start_download(eff)
             elif isinstance(eff, m.TakeSnapshot):
@@ -909,6 +918,30 @@ class GroupShell:
                                    message=exc.message))
         except BadOp as exc:
             fut.set_result(Outcome(False, error_code="bad_request", message=exc.message))
+
+    def _check_meta(self, term: int) -> None:
+        """A peer spoke at `term`, above what meta has shown this replica:
+        fetch meta's view now rather than wait for the watch to bring it
+        (a new leader's first messages often beat it; the follower must not
+        answer them before it has the view)."""
+        if self._meta_check is not None and not self._meta_check.done():
+            return  # its view covers this too, or the core asks again on the sender's retransmit
+        self._meta_check = asyncio.create_task(self._fetch_meta_view(term), name=f"group-{self.gid}-meta-check")
+
+    async def _fetch_meta_view(self, term: int) -> None:
+        view = await self.hooks.meta_view(self.gid)
+        if view is None:
+            return
+        self.deliver(view)
+        now = time.monotonic()
+        last = self._unpublished_logged_at
+        if view.term < term and (last is None or now - last >= UNPUBLISHED_LOG_S):
+            # Meta (or the meta node asked) is behind the sender, or the
+            # message was forged: either way it is not acted on until meta
+            # publishes the term.
+            self._unpublished_logged_at = now
+            self.log.warning("peer_term_unpublished", term=term, meta_term=view.term,
+                             replica_term=self.replica.term if self.replica else None)
 
     def _set_timer(self, at: int) -> None:
         if self._timer is not None:

@@ -51,6 +51,13 @@ SIZE_EVERY_S = 10.0
 # a refusal (an operator must act) backs off up to the cap.
 REGISTER_RETRY_S = 0.5
 REGISTER_REFUSED_MAX_S = 10.0
+# How long a fetch of meta's view a core asked for (NeedMetaView) may take:
+# the sender retransmits, and the core asks again.
+VIEW_FETCH_S = 2.0
+# Fetches start at least this far apart: messages from unpublished terms (a
+# forger's, say) cost meta at most ten cluster views a second per worker. One
+# asked for sooner waits and serves everyone who asks meanwhile.
+VIEW_FETCH_GAP_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,11 @@ class WorkerNode:
         self._wal_sync = Histogram("shardgrid_wal_sync_seconds", "WAL fdatasync duration, all groups of this worker",
                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
                                    registry=reg)
+        # Replication messages of the wrong shape, dropped before any core saw them (worker/codec.py).
+        self.peer_malformed = Counter("shardgrid_worker_peer_malformed", "replication messages from peers "
+                                      "dropped as malformed, by message type (frame: not msgpack; batch: not a "
+                                      "list; unknown: no known type); the log names the peer", ["kind"],
+                                      registry=reg)
         self._retries_total = Counter("shardgrid_group_retries", "retries in place of groups failed on a disk "
                                       "error, by outcome (reopened, probe_failed, open_failed)", ["outcome"],
                                       registry=reg)
@@ -152,7 +164,8 @@ class WorkerNode:
         self.pass_stats = PassStats()
         reg.register(_BatchingCollector(self.pass_stats, self.transport.stats))
         self._tasks: list[asyncio.Task[None]] = []
-        self._refresh = asyncio.Event()
+        self._view_fetch: asyncio.Future[dict[str, Any] | None] | None = None  # see meta_view
+        self._view_fetched_at = float("-inf")  # when the last one started (monotonic)
         self._beat_now = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         # Bytes on disk per hosted group, measured every SIZE_EVERY_S off the
@@ -191,8 +204,35 @@ class WorkerNode:
         # rather than up to a report interval later: meta fails the group over.
         self._beat_now.set()
 
-    def refresh_meta(self) -> None:
-        self._refresh.set()
+    async def meta_view(self, group: int) -> m.MetaView | None:
+        """Meta's view of `group` now, for a core that heard of a term meta
+        had not shown it (NeedMetaView). One fetch of the cluster view at a
+        time serves every group that asks meanwhile; a newer view than the
+        watch's is applied as if the watch had brought it."""
+        fetch = self._view_fetch
+        if fetch is None or fetch.done():
+            fetch = self._view_fetch = asyncio.ensure_future(self._fetch_view())
+            self._background.add(fetch)  # cancelled by close()
+            fetch.add_done_callback(self._background.discard)
+        view = await asyncio.shield(fetch)
+        if view is None:
+            return None
+        g = view["groups"].get(str(group)) or view["groups"].get(group)
+        return _meta_view(g) if g is not None and self.id in set(g["voters"]) | set(g["learners"]) else None
+
+    async def _fetch_view(self) -> dict[str, Any] | None:
+        wait = self._view_fetched_at + VIEW_FETCH_GAP_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._view_fetched_at = time.monotonic()
+        try:
+            view = await self.meta.call("GET", "/v1/cluster", deadline_s=VIEW_FETCH_S)
+        except (MetaError, MetaUnreachable) as exc:
+            self.log.warning("meta_view_fetch_failed", error=str(exc))
+            return None
+        if self.view is None or view["revision"] > self.view["revision"]:
+            self._apply_view(view)
+        return view  # type: ignore[no-any-return]
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -245,16 +285,18 @@ class WorkerNode:
         after = -1
         while True:
             try:
-                self._refresh.clear()
                 view = await self.meta.call("GET", "/v1/cluster", params={"wait": str(after), "timeout": "10"},
                                             deadline_s=20, attempt_timeout_s=15)
             except (MetaError, MetaUnreachable) as exc:
                 self.log.warning("watch_failed", error=str(exc))
                 await asyncio.sleep(0.2)
                 continue
-            if view["revision"] > after or self._refresh.is_set():
-                after = view["revision"]
+            # A fetch for a core (meta_view) may have applied a newer view than
+            # this poll brings (another meta node, a moment later): never go back.
+            current = self.view["revision"] if self.view is not None else -1
+            if view["revision"] > max(after, current):
                 self._apply_view(view)
+            after = max(after, view["revision"], current)
 
     def _apply_view(self, view: dict[str, Any]) -> None:
         self.view = view

@@ -88,6 +88,21 @@ remembered for at least `dedup_window_ms` of real time after its write was
 appended, whatever the wall clocks of the workers say, stepped or skewed by
 hours (runbook/operations.md, "request ids").
 
+Terms come from meta
+--------------------
+A replica adopts a term only from a MetaView (DESIGN.md §9: never above what
+meta has published for the group).  Its term is therefore at least the
+highest term any view showed it, and a message from a higher term is one
+meta has not shown it yet: it is not acted on (no term persisted, no
+leader stepping down); the core asks the shell for meta's current view
+(NeedMetaView) and keeps the message.  When a view shows that term the kept
+message is handled, if it came from the leader the view names, so the
+usual race (a new leader's Begin arriving before this replica's view)
+costs one fetch from meta, not a retransmit.  Without this, one forged
+message with a high term would fence the real leader and persist a term
+meta can only reach one compare-and-set at a time: the group would stay
+leaderless.
+
 Idempotency
 -----------
 Entries carry the client's request id; a replicated DedupTable (worker/
@@ -158,8 +173,8 @@ from worker.replica_msgs import (
     HeartbeatReply,
     Message,
     MetaView,
+    NeedMetaView,
     Persist,
-    RefreshMeta,
     ReplicaConfig,
     Reply,
     ReplyMany,
@@ -336,6 +351,11 @@ class Replica:
         # dedup table was exactly there (rebuilding one later costs a replay).
         self._prepared: dict[int, SnapshotMeta] = {}
         self._since_snapshot = 0  # client writes applied since the last TakeSnapshot
+        # A request from a term meta has not shown us yet, handled once a
+        # view shows it (see "Terms come from meta"); and our last ask for
+        # that view: (term, when).
+        self._deferred: Message | None = None
+        self._view_asked: tuple[int, int] | None = None
         self._now = 0
         self._out: list[Effect] = []
 
@@ -530,6 +550,11 @@ class Replica:
         Always: meta may have named a stale replica."""
         return True
 
+    def _adopts_message_terms(self) -> bool:
+        """May a message's higher term be adopted on its word?  Never: only
+        meta publishes terms (see "Terms come from meta")."""
+        return False
+
     def _ack_durable(self, msg: Message) -> None:
         """Send an answer that vouches for state persisted in this call.  It
         must follow the Persist (the shell performs effects in order)."""
@@ -712,8 +737,8 @@ class Replica:
     # Terms
 
     def _adopt_term(self, term: int, leader: str | None) -> None:
-        """Move to a newer term as a follower.  The promise to ignore older
-        terms is persisted before anything is answered at `term`."""
+        """Move to a newer term, from meta's view, as a follower.  The promise
+        to ignore older terms is persisted before anything is answered at `term`."""
         self._step_down(leader)
         self._term = term
         self._leader = leader
@@ -727,12 +752,46 @@ class Replica:
             self._send(StaleTerm(src=self._id, dst=msg.src, group=self._group, term=self._term))
             return False
         if msg.term > self._term:
+            if not self._adopts_message_terms():
+                self._defer(msg)
+                return False
             self._adopt_term(msg.term, msg.src)
         elif self._leader is None and self._lead is None:
             self._leader = msg.src
         if msg.src == self._leader:
             self._heard_leader_at = self._now
         return True
+
+    def _defer(self, msg: Message) -> None:
+        """Keep a request from a term above ours for when meta's view shows
+        that term, and ask for the view.
+
+        One is kept: the one of the lowest such term (the next term meta can
+        publish is ours + 1; a forger's higher terms must not push out the
+        real next leader's message), the latest of equal terms."""
+        kept = self._deferred
+        if kept is None or kept.term <= self._term or msg.term <= kept.term:
+            self._deferred = msg
+        self._need_view(msg.term)
+
+    def _need_view(self, term: int) -> None:
+        """Ask the shell for meta's view: at once for a term above any asked
+        about, else at most once per retry_ms (the sender retransmits, and
+        meta may not have published the term yet when we first ask)."""
+        asked = self._view_asked
+        if asked is None or term > asked[0] or self._now >= asked[1] + self._cfg.retry_ms:
+            self._view_asked = (max(term, asked[0]) if asked is not None else term, self._now)
+            self._out.append(NeedMetaView(term))
+
+    def _handle_deferred(self) -> None:
+        """After a view: handle the kept request if the view brought its term
+        and named its sender leader; drop it once it cannot be."""
+        kept = self._deferred
+        if kept is None or kept.term > self._term:
+            return
+        self._deferred = None
+        if kept.term == self._term and kept.src == self._leader and self._lead is None:
+            getattr(self, _HANDLERS[type(kept)])(kept)
 
     def _step_down(self, new_leader: str | None) -> None:
         """Leave leadership: every pending write has an unknown outcome now."""
@@ -749,8 +808,11 @@ class Replica:
 
     def _on_stale_term(self, m: StaleTerm) -> None:
         if m.term > self._term:
-            self._adopt_term(m.term, None)
-            self._out.append(RefreshMeta())
+            if self._adopts_message_terms():
+                self._adopt_term(m.term, None)
+            # Meta has moved on, or this is forged: its view decides, and
+            # (adopted from the view) fences us.
+            self._need_view(m.term)
 
     # ------------------------------------------------------------------
     # Meta's view and the start of a term
@@ -774,6 +836,7 @@ class Replica:
             if self._heard_leader_at is None:
                 self._heard_leader_at = self._now
             self._announce()
+        self._handle_deferred()
 
     def _announce(self) -> None:
         """Tell the leader meta named what commit we know.

@@ -425,8 +425,15 @@ class TransferReady:
 
 
 @dataclass(slots=True, frozen=True)
-class RefreshMeta:
-    pass
+class NeedMetaView:
+    """A peer spoke at `term`, above every term meta has shown this replica:
+    fetch the group's assignment from meta now and deliver it as a MetaView.
+    The core adopts terms only from meta's views (DESIGN.md §9), so until the
+    view comes the message is not acted on.  The core asks at most once per
+    `retry_ms` for a term it already asked about; the shell should also keep
+    at most one fetch in flight."""
+
+    term: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -467,6 +474,6 @@ class DownloadSnapshot:
 
 
 Effect: TypeAlias = (
-    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | ReportQuorum | TransferReady | RefreshMeta
+    Persist | Send | Apply | Reply | ReplyMany | ServeRead | ReportReady | ReportQuorum | TransferReady | NeedMetaView
     | SetTimer | DownloadSnapshot | TakeSnapshot
 )

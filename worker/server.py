@@ -24,7 +24,7 @@ from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, 
     json_response, pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
-from worker.codec import decode_message
+from worker.codec import MalformedMessage, decode_message
 from worker.group import GroupOverloaded
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
@@ -187,6 +187,32 @@ class _Outbox:
         self.task.cancel()
 
 
+class _Malformed:
+    """The malformed replication messages of one peer stream or request:
+    each counted (`shardgrid_worker_peer_malformed_total`), the first logged
+    with the peer's address, and how many there were in all when it ends."""
+
+    def __init__(self, node: "WorkerNode", peer: str | None, path: str) -> None:
+        self.node = node
+        self.peer = peer
+        self.path = path
+        self.count = 0
+        self.first: str | None = None
+
+    def add(self, kind: str, reason: str) -> None:
+        self.count += 1
+        self.node.peer_malformed.labels(kind=kind).inc()
+        if self.first is None:
+            self.first = f"{kind}: {reason}"
+            self.node.log.warning("peer_message_malformed", peer=self.peer, path=self.path, kind=kind,
+                                  reason=reason[:200])
+
+    def close(self) -> None:
+        if self.count > 1:
+            self.node.log.warning("peer_messages_malformed", peer=self.peer, path=self.path, count=self.count,
+                                  first=self.first)
+
+
 class WorkerApi:
     def __init__(self, node: "WorkerNode") -> None:
         self.node = node
@@ -256,35 +282,74 @@ class WorkerApi:
         return json_response({"id": self.node.id, "groups": self.node.group_reports(),
                               "corrupt": self.node.corrupt})
 
-    def _deliver_raft(self, batch: Any, sender: Principal | None) -> int:
+    def _decode_raft(self, batch: Any, seen: "_Malformed") -> list[m.Message]:
+        """The well-formed messages of `batch`; the others are counted in `seen`.
+
+        A peer's message of the wrong shape never reaches a core: a wrong type
+        or an Append whose entries do not follow its prev would fail the group."""
+        if type(batch) is not list:
+            seen.add("batch", "a batch of messages must be a list")
+            return []
+        msgs: list[m.Message] = []
+        for raw in batch:
+            try:
+                msgs.append(decode_message(raw))
+            except MalformedMessage as exc:
+                seen.add(exc.kind, exc.reason)
+            except (KeyError, TypeError, ValueError) as exc:
+                # A shape decode_message failed to check (a bug there): still
+                # this message's problem alone, not the stream's.
+                seen.add("unknown", f"{type(exc).__name__}: {exc}")
+        return msgs
+
+    def _deliver_raft(self, msgs: list[m.Message], sender: Principal | None) -> int:
         """Hand each message to its group; one that names a `src` other than
         the authenticated sender is dropped (one worker cannot speak for
         another). Returns how many were dropped so."""
+        groups = self.node.groups
         dropped = 0
-        for raw in batch:
-            msg = decode_message(raw)
+        for msg in msgs:
             if sender is not None and msg.src != sender.name:
                 dropped += 1
                 self.guard.refused.labels("wrong_sender").inc()
                 self.node.log.warning("raft_message_wrong_sender", sender=str(sender), src=msg.src, group=msg.group)
                 continue
-            shell = self.node.groups.get(msg.group)
+            shell = groups.get(msg.group)
             if shell is not None:
                 shell.deliver(msg)
         return dropped
 
     async def raft(self, request: web.Request) -> web.Response:
+        """`POST /v1/raft`: a msgpack list of messages, for tools. A body with
+        any malformed message (400) or any message another worker's (403) is
+        refused as a whole and changes nothing."""
+        seen = _Malformed(self.node, request.remote, "/v1/raft")
+        try:
+            batch = unpackb(await request.read())
+        except (ValueError, TypeError) as exc:  # TypeError: a map with an unhashable key
+            seen.add("batch", f"not msgpack: {exc}")
+            raise ApiError("bad_request", "the body must be a msgpack list of replication messages") from None
+        msgs = self._decode_raft(batch, seen)
+        if seen.count:
+            raise ApiError("bad_request", f"{seen.count} malformed replication message(s); first: {seen.first}")
         sender = peer_of(request)
-        if self._deliver_raft(unpackb(await request.read()), sender):
-            name = sender.name if sender is not None else ""
-            raise auth_refusal("wrong_sender", f"replication messages from {sender} must carry src {name}")
+        if sender is not None and any(msg.src != sender.name for msg in msgs):
+            self.guard.refused.labels("wrong_sender").inc()
+            raise auth_refusal("wrong_sender", f"replication messages from {sender} must carry src {sender.name}")
+        self._deliver_raft(msgs, sender)
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
-        """A peer's message stream (worker/transport.py): binary frames of encoded messages."""
+        """A peer's message stream (worker/transport.py): binary frames of encoded messages.
+
+        What is malformed (a frame that is not msgpack, a message of the
+        wrong shape, a text frame) is dropped and counted, and the rest of
+        the stream goes on: frames are independent, and the core
+        retransmits whatever a message dropped here carried."""
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_BODY)
         await ws.prepare(request)
         self._streams.add(ws)
+        seen = _Malformed(self.node, request.remote, STREAM_PATH)
         try:
             sender = peer_of(request)
             async for frame in ws:
@@ -296,12 +361,16 @@ class WorkerApi:
                     break
                 if frame.type == WSMsgType.BINARY:
                     try:
-                        self._deliver_raft(unpack_frame(frame.data), sender)
-                    except (ValueError, TypeError, KeyError) as exc:
-                        self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
-                        break
+                        batch = unpack_frame(frame.data)
+                    except ValueError as exc:
+                        seen.add("frame", str(exc))
+                        continue
+                    self._deliver_raft(self._decode_raft(batch, seen), sender)
+                elif frame.type == WSMsgType.TEXT:
+                    seen.add("frame", "a text frame on a binary stream")
         finally:
             self._streams.discard(ws)
+            seen.close()
         return ws
 
     # -- data ops: one implementation for HTTP and for the call stream -------------

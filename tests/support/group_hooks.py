@@ -1,6 +1,8 @@
 """A GroupShell's hooks for tests that run a group without a worker process around it."""
 from __future__ import annotations
 
+from worker.replica_msgs import MetaView
+
 
 class NullHooks:
     """Reports nowhere; `w1` lives at `addr` (a peer the test serves), nobody else is known."""
@@ -20,5 +22,5 @@ class NullHooks:
     def report_quorum(self, group: int, term: int, ok: bool) -> None:
         pass
 
-    def refresh_meta(self) -> None:
-        pass
+    async def meta_view(self, group: int) -> MetaView | None:
+        return None

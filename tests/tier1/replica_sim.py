@@ -19,7 +19,11 @@ What is modelled
   term naming ANY voter -- at random, the stalest one or the one with the
   newest (maybe unreplicated) tail -- delivers views late, lost, duplicated
   and occasionally stale; fails over when no leader is ready; handles
-  TransferReady and records config entries as they are applied;
+  TransferReady and records config entries as they are applied; answers a
+  replica's NeedMetaView with its view (now and then a stale one);
+* forged messages: a Begin, Append, Heartbeat or StaleTerm from a term meta
+  has not published (one above its term up to far above), from a member or
+  an outsider;
 * a nemesis aimed at leaders: cut off right after appending its term start
   (a failover that dies at birth) or a client write, right after committing
   something, or soon after being named; killed after its Appends of fresh
@@ -47,6 +51,7 @@ Invariants (checked incrementally)
 * at most one replica acts as leader (ready or not) per term;
 * a replica's term never decreases, including across restarts: the durable
   term is >= every term the previous incarnation sent a message with;
+* no replica holds or persists a term above meta's (DESIGN.md §9);
 * log matching: per replica, a rolling hash of its log prefix; an entry with
   the same (term, seq) on two replicas must have the same prefix hash;
 * the committed log `C` is what replicas have applied (Apply effects that
@@ -90,6 +95,7 @@ from worker.replica import Replica
 from worker.replica_msgs import (
     Append,
     Apply,
+    Begin,
     ChangeMembership,
     ClientRead,
     ClientWrite,
@@ -103,7 +109,7 @@ from worker.replica_msgs import (
     Message,
     MetaView,
     Persist,
-    RefreshMeta,
+    NeedMetaView,
     ReplicaConfig,
     Reply,
     ReplyMany,
@@ -114,6 +120,7 @@ from worker.replica_msgs import (
     SetTimer,
     SnapshotInstalled,
     SnapshotMeta,
+    StaleTerm,
     StoredState,
     TakeSnapshot,
     Tick,
@@ -243,6 +250,7 @@ class Params:
     resend: float = 0.0  # share of driver steps that re-send an acknowledged write (a lost response)
     wall_skew_ms: int = 0  # wall clocks are off by up to this much
     quiet_weight: float = 0.0  # driver weight of a quiet window with a cut on the leader
+    forge: float = 0.0  # share of driver steps that inject a message from a term meta has not published
 
 
 PROFILES = ("mixed", "failover", "clocks", "isolation")
@@ -359,6 +367,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
                 snapshot_retry_ms=400,
             ),
             profile=profile,
+            forge=rng.choice((0.0, 0.02)),
         )
     nodes = rng.choice((3, 3, 4, 5))
     voters = 3 if nodes > 3 and rng.random() < 0.7 else nodes
@@ -401,6 +410,7 @@ def draw_params(rng: random.Random, profile: str | None = None) -> Params:
             entry_bytes=sim_bytes if heartbeat == 100 else None,
         ),
         resend=rng.choice((0.0, 0.02)),
+        forge=rng.choice((0.0, 0.01, 0.03)),
     )
 
 
@@ -582,6 +592,8 @@ class Sim:
             t = type(eff)
             self.stats[t.__name__] += 1
             if t is Persist:
+                if eff.term is not None and eff.term > self.m_term:
+                    self.fail(f"{node.name} persists term {eff.term}, above meta's {self.m_term}")
                 self.shadow_persist(node, eff)
                 node.pending.append(eff)
                 if eff.entries and leads(r) and self.strike_after_append(r, eff):
@@ -618,8 +630,11 @@ class Sim:
             elif t is TransferReady:
                 if eff.term == self.m_term:
                     self.at(self.now + self.rng.randint(1, 20), self.meta_transfer, (eff.term, eff.target))
-            elif t is RefreshMeta:
-                self.send_view(node, self.rng.randint(1, 20))
+            elif t is NeedMetaView:
+                # The shell fetches meta's view; now and then from a meta node
+                # that lags (an older view): the core must ask again.
+                stale = self.m_views and not self.calm and self.rng.random() < 0.1
+                self.send_view(node, self.rng.randint(1, 20), self.rng.choice(self.m_views) if stale else None)
             elif t is DownloadSnapshot:
                 self.at(self.now + self.rng.randint(2, 40), self.snapshot_done, (node, node.inc, eff.source))
             elif t is TakeSnapshot:
@@ -737,6 +752,8 @@ class Sim:
     def check_replica(self, node: Node, r: Replica) -> None:
         if r.term < node.term_seen:
             self.fail(f"{node.name} term went back {node.term_seen} -> {r.term}")
+        if r.term > self.m_term:
+            self.fail(f"{node.name} is at term {r.term}, above meta's {self.m_term} (DESIGN.md §9)")
         node.term_seen = r.term
         if leads(r):
             who = self.leader_of.setdefault(r.term, node.name)
@@ -1230,12 +1247,40 @@ class Sim:
             x -= weight
         if rng.random() < self.p.resend:
             self.resend_acked()
+        if not self.calm and rng.random() < self.p.forge:
+            self.forge()
         if self.quiet is None and rng.random() < self.p.meta_rate:
             self.meta_cas(self.adversarial_pick(self.m_voters))
         self.meta_isolation()
         self.meta_failover()
         lo, hi = self.p.step_ms
         self.at(self.now + rng.randint(lo, hi), self.drive)
+
+    def forge(self) -> None:
+        """A message from a term meta has not published: a forger's, or a
+        peer's bug. No replica may adopt the term (DESIGN.md §9); the group
+        carries on. The sender may be a member or an outsider; the content
+        is harmless should meta later publish the term with that sender as
+        leader (then it is no forgery: what it asks is what that leader would)."""
+        rng = self.rng
+        dst = rng.choice(self.names)
+        src = rng.choice([*self.names, "intruder"])
+        if src == dst:
+            src = "intruder"
+        env = dict(src=src, dst=dst, group=GROUP, term=self.m_term + rng.choice((1, 1, 2, 50, 10**6)))
+        kind = rng.choice(("begin", "append", "heartbeat", "stale"))
+        msg: Message
+        if kind == "begin":
+            msg = Begin(**env)
+        elif kind == "append":
+            msg = Append(**env, prev_term=0, prev_seq=0, entries=(), commit=0)
+        elif kind == "heartbeat":
+            msg = Heartbeat(**env, commit=0, round=0)
+        else:
+            msg = StaleTerm(**env)
+        self.stats["forged"] += 1
+        self.log(f"FORGE {msg}")
+        self.at(self.now + rng.randint(1, 10), self.net_arrive, msg)
 
     def step_wall(self, _: Any) -> None:
         """Somebody's wall clock steps (NTP, an operator): by minutes to the skew."""

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from worker import replica_msgs as m
-from worker.codec import decode_entry, decode_message, decode_snapshot_meta, encode_entry, encode_message, \
-    encode_snapshot_meta
+from worker.codec import MalformedMessage, decode_entry, decode_message, decode_snapshot_meta, encode_entry, \
+    encode_message, encode_snapshot_meta
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardgrid.wire import pack_frames, packb, unpack_frame, unpackb
 
@@ -25,7 +27,7 @@ def roundtrip(msg: m.Message) -> m.Message:
 def test_every_message_type_round_trips() -> None:
     msgs = [
         m.Begin(**ENV), m.BeginOk(**ENV, last_term=2, last_seq=9, commit=8), m.StaleTerm(**ENV),
-        m.Fetch(**ENV, prev_term=2, prev_seq=4), m.FetchReply(**ENV, ok=True, prev_seq=4, prev_term=2, entries=ENTRIES),
+        m.Fetch(**ENV, prev_term=2, prev_seq=4), m.FetchReply(**ENV, ok=True, prev_seq=9, prev_term=2, entries=ENTRIES),
         m.Append(**ENV, prev_term=3, prev_seq=9, entries=ENTRIES, commit=9),
         m.AppendReply(**ENV, ok=False, prev_seq=9, match=0, hint_seq=5, hint_term=2),
         m.Heartbeat(**ENV, commit=4, round=7), m.HeartbeatReply(**ENV, round=7),
@@ -72,3 +74,148 @@ def test_stream_frames_are_cut_by_size_and_keep_every_item_in_order() -> None:
     assert [unpack_frame(f) for f in pack_frames(big + [1], limit=100_000)] == [big, [1]]  # alone in its frame
     with pytest.raises(ValueError):
         unpack_frame(b"\xc1")
+
+
+# ---------------------------------------------------------------------------
+# A peer's message of the wrong shape is refused before any core sees it
+
+# As a peer's bytes decode (msgpack reads tuples back as lists).
+GOOD_APPEND = unpackb(packb(encode_message(m.Append(**ENV, prev_term=2, prev_seq=9, entries=ENTRIES, commit=9))))
+
+
+def _with(body_changes: dict[str, object], base: list = GOOD_APPEND) -> list:  # type: ignore[type-arg]
+    name, body = base
+    return [name, {**body, **body_changes}]
+
+
+def _without(field: str, base: list = GOOD_APPEND) -> list:  # type: ignore[type-arg]
+    name, body = base
+    return [name, {k: v for k, v in body.items() if k != field}]
+
+
+def _entry(i: int, **changes: object) -> list:  # type: ignore[type-arg]
+    raw = unpackb(packb(encode_entry(ENTRIES[i])))
+    for k, v in changes.items():
+        raw[["term", "seq", "kind", "data", "rid", "ts"].index(k)] = v
+    return raw
+
+
+def _entries(*raws: object) -> list:  # type: ignore[type-arg]
+    return _with({"entries": list(raws)})
+
+
+MALFORMED = {
+    "not a list": {"Append": 1},
+    "three items": ["Append", {}, 1],
+    "unknown type": ["Elect", {**ENV}],
+    "type not a string": [7, {**ENV}],
+    "body not a map": ["Begin", [1, 2]],
+    "missing src": _without("src"),
+    "missing term": _without("term"),
+    "missing commit": _without("commit"),
+    "missing entries": _without("entries"),
+    "negative term": _with({"term": -1}),
+    "term a string": _with({"term": "3"}),
+    "term a bool": _with({"term": True}),
+    "term a float": _with({"term": 3.0}),
+    "term past 63 bits": _with({"term": 1 << 63}),
+    "negative prev_seq": _with({"prev_seq": -1}),
+    "group none": _with({"group": None}),
+    "empty src": _with({"src": ""}),
+    "huge src": _with({"src": "w" * 5000}),
+    "dst not a string": _with({"dst": ["w2"]}),
+    "entries a map": _with({"entries": {}}),
+    "too many entries": _with({"entries": [None] * ((1 << 16) + 1)}),
+    "entry not a list": _entries("x"),
+    "entry too short": _entries(_entry(0)[:5]),
+    "entry seq gap": _entries(_entry(0), _entry(2)),
+    "entry seq not after prev": _with({"prev_seq": 3}),
+    "entry term above the message's": _with({"term": 2, "prev_term": 1}),
+    "entry term below prev_term": _with({"prev_term": 5, "term": 5}),
+    "entry negative ts": _entries(_entry(0, ts=-5)),
+    "entry unknown kind": _entries(_entry(0, kind="exec")),
+    "ops without rids": _entries(_entry(0), _entry(1), _entry(2), _entry(3, rid=None)),
+    "ops rid count differs": _entries(_entry(0), _entry(1), _entry(2), _entry(3, rid=["a"])),
+    "ops empty": _entries(_entry(0), _entry(1), _entry(2), _entry(3, data=[], rid=[])),
+    "op rid not a string": _entries(_entry(0), _entry(1, rid=5)),
+    "config not two lists": _entries(_entry(0), _entry(1), _entry(2, data=[["w1"]])),
+    "config member not an id": _entries(_entry(0), _entry(1), _entry(2, data=[["w1", 2], []])),
+    "term_start with data": _entries(_entry(0, data={"x": 1})),
+    "ok not a bool": ["AppendReply", {**ENV, "ok": 1, "prev_seq": 1}],
+    "heartbeat commit a string": ["Heartbeat", {**ENV, "commit": "4", "round": 0}],
+    "reply commit negative": ["HeartbeatReply", {**ENV, "round": 0, "commit": -1}],
+    "fetch reply entries off prev": ["FetchReply", {**ENV, "ok": True, "prev_seq": 0, "prev_term": 0,
+                                                    "entries": [encode_entry(ENTRIES[0])]}],
+}
+
+
+@pytest.mark.parametrize("raw", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_malformed_message_is_refused(raw: object) -> None:
+    with pytest.raises(MalformedMessage) as info:
+        decode_message(raw)
+    assert isinstance(info.value, ValueError) and info.value.kind in (*_TYPES, "unknown")
+
+
+_TYPES = ("Begin", "BeginOk", "StaleTerm", "Fetch", "FetchReply", "Append", "AppendReply", "Heartbeat",
+          "HeartbeatReply", "SnapshotNeeded")
+
+
+def test_well_formed_edges_are_accepted() -> None:
+    assert decode_message(GOOD_APPEND) == m.Append(**ENV, prev_term=2, prev_seq=9, entries=ENTRIES, commit=9)
+    # fields with a default may be left out; None where None is allowed
+    assert decode_message(["FetchReply", {**ENV, "ok": False, "prev_seq": 4, "prev_term": 2}]) == \
+        m.FetchReply(**ENV, ok=False, prev_seq=4, prev_term=2)
+    assert decode_message(["HeartbeatReply", {**ENV, "round": 0, "commit": None}]) == \
+        m.HeartbeatReply(**ENV, round=0)
+    # the largest numbers a legitimate peer could send
+    big = (1 << 63) - 1
+    assert decode_message(["Heartbeat", {**ENV, "term": big, "commit": big, "round": big}]).term == big
+
+
+def test_truncated_and_unhashable_frames_are_value_errors() -> None:
+    with pytest.raises(ValueError):
+        unpack_frame(packb([1, 2]) + packb(["Begin", {}])[:-3])  # the last item cut off
+    with pytest.raises(ValueError):
+        unpack_frame(b"\x81\x91\x01\x01")  # a map keyed by a list
+
+
+# Anything msgpack can carry, in place of any field (or of the whole body).
+_WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_GOOD_BODIES = [unpackb(packb(encode_message(msg))) for msg in (
+    m.Begin(**ENV), m.BeginOk(**ENV, last_term=2, last_seq=9, commit=8),
+    m.FetchReply(**ENV, ok=True, prev_seq=9, prev_term=2, entries=ENTRIES),
+    m.Append(**ENV, prev_term=2, prev_seq=9, entries=ENTRIES, commit=9),
+    m.AppendReply(**ENV, ok=True, prev_seq=9, match=9), m.HeartbeatReply(**ENV, round=0, commit=3),
+)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.sampled_from(_GOOD_BODIES), field=st.text(min_size=1, max_size=10) | st.sampled_from(
+    ["src", "dst", "group", "term", "entries", "prev_seq", "prev_term", "commit", "ok", "match", "round"]),
+    value=_WIRE_VALUES, entry_at=st.integers(0, 3), entry_field=st.integers(0, 5))
+def test_whatever_a_peer_sends_decodes_to_a_well_typed_message_or_is_refused(
+        base: list, field: str, value: object, entry_at: int, entry_field: int) -> None:  # type: ignore[type-arg]
+    name, body = base
+    body = {**body, field: value}
+    if base[1].get("entries") and (field == "entries" or value is None):
+        # now and then a field inside an entry instead
+        entries = [list(e) for e in base[1]["entries"]]
+        entries[entry_at][entry_field] = value
+        body = {**base[1], "entries": entries}
+    try:
+        msg = decode_message([name, body])
+    except MalformedMessage:
+        return
+    for f in ("group", "term"):
+        v = getattr(msg, f)
+        assert type(v) is int and 0 <= v < 1 << 63
+    assert type(msg.src) is str and type(msg.dst) is str
+    entries = getattr(msg, "entries", ())
+    assert type(entries) is tuple and all(type(e) is m.Entry for e in entries)
+    for i, e in enumerate(entries):
+        assert e.seq == msg.prev_seq + 1 + i and type(e.term) is int and e.term <= msg.term  # type: ignore[attr-defined]

@@ -74,6 +74,15 @@ class NoCheckQuorum(Replica):
         return True
 
 
+class TrustsMessageTerms(Replica):
+    """The design before the term cap: a message's higher term is adopted on
+    its word, so a forged one fences the real leader with a term meta
+    never published."""
+
+    def _adopts_message_terms(self) -> bool:
+        return True
+
+
 def first_failure(cls: type[Replica], profile: str | None = None) -> tuple[int, str] | None:
     for seed in range(BUDGET):
         try:
@@ -87,7 +96,8 @@ def first_failure(cls: type[Replica], profile: str | None = None) -> tuple[int, 
 @pytest.mark.parametrize(
     "cls, profile",
     [(CountsOldTermEntries, None), (SkipsBeginRound, None), (AcksBeforePersist, None),
-     (ForgetsDedupInSnapshots, None), (StampsWallClock, "clocks"), (NoCheckQuorum, "isolation")],
+     (ForgetsDedupInSnapshots, None), (StampsWallClock, "clocks"), (NoCheckQuorum, "isolation"),
+     (TrustsMessageTerms, None)],
     ids=lambda c: c.__name__ if isinstance(c, type) else str(c),
 )
 def test_planted_bug_is_caught(cls: type[Replica], profile: str | None) -> None:
@@ -98,3 +108,5 @@ def test_planted_bug_is_caught(cls: type[Replica], profile: str | None) -> None:
         assert "exactly-once" in found[1], found[1]
     if cls is NoCheckQuorum:
         assert "availability" in found[1], found[1]
+    if cls is TrustsMessageTerms:
+        assert "above meta's" in found[1], found[1]

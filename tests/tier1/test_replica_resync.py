@@ -15,7 +15,8 @@ def sent(effects: list[Any], kind: type) -> list[Any]:
 
 def test_resyncing_replica_never_promises() -> None:
     r = Net({"c": StoredState(term=3, resync=True)}).r["c"]
-    out = r.handle(Begin(src="a", dst="c", group=0, term=4), 1000)
+    r.handle(Begin(src="a", dst="c", group=0, term=4), 1000)
+    out = r.handle(MetaView(term=4, leader="a", voters=VOTERS), 1000)  # handles the Begin it kept
     assert sent(out, BeginOk) == [] and r.term == 4  # fenced to the new term, but no promise
     assert r.resyncing
 
@@ -49,5 +50,6 @@ def test_a_ready_leader_brings_it_back_and_it_votes_again() -> None:
     assert any(isinstance(e, Reply) and e.ok for e in net.effects["a"])
     c = net.r["c"]
     assert c.last_seq == net.r["a"].last_seq and not c.resyncing
+    c.handle(MetaView(term=3, leader="b", voters=VOTERS), net.now)
     out = c.handle(Begin(src="b", dst="c", group=0, term=3), net.now)
     assert sent(out, BeginOk), "a re-synced replica answers Begin again"

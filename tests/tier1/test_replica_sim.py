@@ -71,5 +71,7 @@ def test_runs_exercise_the_protocol() -> None:
         "resent_acked",
         "resent_answered_from_log",
         "wall_clock_stepped",
+        "forged",
+        "NeedMetaView",
     ):
         assert total.get(what, 0) > 0, f"no {what} in 40 seeds: {total}"

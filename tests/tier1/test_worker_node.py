@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,8 @@ import structlog
 from prometheus_client import generate_latest
 
 from shardgrid.bench_rounds import COUNTERS, parse_counters
-from worker.process import WorkerConfig, WorkerNode
+from worker import replica_msgs as m
+from worker.process import VIEW_FETCH_GAP_S, WorkerConfig, WorkerNode
 
 
 class _FakeMeta:
@@ -159,5 +161,55 @@ async def test_a_refused_registration_is_logged_with_its_reason_and_retried_with
             ("conflict", 0.01), ("unauthorized", 0.02), ("conflict", 0.03), ("conflict", 0.03)]
         assert refused[0]["reason"] == "worker w1 is live at 127.0.0.1:9"
         assert refused[0]["registered_addr"] == "127.0.0.1:9" and refused[0]["log_level"] == "error"
+    finally:
+        await node.transport.close()
+
+
+class _ViewMeta:
+    """A meta that answers GET /v1/cluster with `view` once `gate` is set."""
+
+    def __init__(self, view: dict[str, Any]) -> None:
+        self.view = view
+        self.fetches = 0
+        self.started: list[float] = []
+        self.gate = asyncio.Event()
+
+    async def call(self, method: str, path: str, **kw: Any) -> Any:
+        assert (method, path) == ("GET", "/v1/cluster") and "params" not in kw  # no long poll
+        self.fetches += 1
+        self.started.append(time.monotonic())
+        await self.gate.wait()
+        return self.view
+
+    async def close(self) -> None:
+        pass
+
+
+def _cluster(revision: int, term: int) -> dict[str, Any]:
+    group = {"term": term, "leader": "w2", "voters": ["w1", "w2", "w3"], "learners": [], "conf_ver": 0}
+    groups = {"0": group, "1": dict(group), "2": {**group, "voters": ["w2"]}}
+    return {"revision": revision, "workers": {}, "groups": groups}
+
+
+async def test_cores_asking_for_meta_s_view_share_one_fetch_and_a_newer_view_is_applied(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+    await node.meta.close()
+    fake = _ViewMeta(_cluster(revision=8, term=5))
+    node.meta = fake  # type: ignore[assignment]
+    node.view = _cluster(revision=7, term=4)
+    applied: list[int] = []
+    node._apply_view = lambda view: applied.append(view["revision"])  # type: ignore[method-assign]
+    try:
+        asks = [asyncio.create_task(node.meta_view(g)) for g in (0, 1, 2)]
+        await asyncio.sleep(0.01)
+        assert fake.fetches == 1  # one fetch in flight serves every group that asks meanwhile
+        fake.gate.set()
+        views = await asyncio.gather(*asks)
+        assert views[0] == views[1] == m.MetaView(5, "w2", ("w1", "w2", "w3"), (), 0)
+        assert views[2] is None  # not placed here
+        assert applied == [8]  # newer than the watch's: applied as if the watch had brought it
+        node.view = _cluster(revision=9, term=5)
+        assert await node.meta_view(0) is not None and fake.fetches == 2 and applied == [8]  # older: not applied
+        assert fake.started[1] - fake.started[0] >= VIEW_FETCH_GAP_S * 0.9  # fetches are spaced out
     finally:
         await node.transport.close()
