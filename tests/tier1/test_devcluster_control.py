@@ -14,7 +14,8 @@ from meta.client import MetaClient
 from shardgrid.devcluster import apply_topology
 from shardgrid.devcontrol import DevActions, DevControl, DevControlError, exit_text, request, run_client
 from shardgrid.procs import Child, stop_all
-from tests.tier1.test_meta_api import EXAMPLE, _single_meta, _until
+from tests.support.waiting import until
+from tests.tier1.test_meta_api import EXAMPLE, _single_meta
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -102,7 +103,7 @@ async def test_an_apply_that_lands_meanwhile_is_planned_again(tmp_path: Path, ai
     raft, server = _single_meta(tmp_path, server_config())
     try:
         srv = await aiohttp_server(server.app())
-        await _until(raft.is_leader, "the single meta node to lead")
+        await until(raft.is_leader, "the single meta node to lead")
         addr = f"127.0.0.1:{srv.port}"
         other = EXAMPLE.replace("lease_ms: 1500", "lease_ms: 1700")
         assert other != EXAMPLE
