@@ -70,8 +70,14 @@ def packb(obj: Any) -> bytes:
 
 
 def unpackb(data: bytes) -> Any:
+    """The one msgpack value `data` holds. Raises ValueError for anything else."""
     # strict_map_key=False: group ids are ints used as map keys.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError as exc:
+        # A map keyed by an array or a map (unhashable in Python): callers
+        # handle ValueError as "malformed", and a TypeError became a 500.
+        raise ValueError(f"malformed msgpack: {exc}") from None
 
 
 # A stream frame (worker/transport.py, gateway/calls.py) is msgpack values
@@ -118,13 +124,17 @@ def pack_frames(items: Iterable[Any], limit: int = FRAME_BYTES,
 
 
 def unpack_frame(data: bytes) -> list[Any]:
-    """The items of one frame written by `pack_frames`. Raises ValueError if it is malformed."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
-    unpacker.feed(data)
-    try:
-        return list(unpacker)
-    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
-        raise ValueError(f"malformed frame: {exc}") from None
+    """The items of one frame written by `pack_frames`. Raises ValueError if it is
+    malformed: bytes that are not msgpack, or a frame that ends inside a value."""
+    return [item for item, _ in unpack_frame_sized(data)]
+
+
+def _check_whole(end: int, data: bytes) -> None:
+    # Iteration stops quietly at an incomplete value: a frame that ends inside
+    # one was cut or forged, and its tail must not be dropped unnoticed.
+    if end != len(data):
+        raise ValueError(f"malformed frame: it ends inside a value (the last whole one ends at byte {end} "
+                         f"of {len(data)})")
 
 
 def unpack_frame_sized(data: bytes) -> list[tuple[Any, int]]:
@@ -139,8 +149,10 @@ def unpack_frame_sized(data: bytes) -> list[tuple[Any, int]]:
             end = unpacker.tell()
             out.append((item, end - at))
             at = end
-    except (msgpack.UnpackException, msgpack.ExtraData) as exc:
+    except (msgpack.UnpackException, msgpack.ExtraData, ValueError, TypeError) as exc:
+        # TypeError: a map keyed by an array or a map (unhashable in Python).
         raise ValueError(f"malformed frame: {exc}") from None
+    _check_whole(at, data)
     return out
 
 

@@ -215,14 +215,20 @@ class WorkerApi:
                               "corrupt": self.node.corrupt})
 
     def _deliver_raft(self, batch: Any) -> None:
-        for raw in batch:
-            msg = decode_message(raw)
+        """Deliver a batch of encoded messages. Every one is decoded before any
+        is delivered: a batch with a malformed message (ValueError) delivers none."""
+        if type(batch) is not list:
+            raise ValueError("a batch of replication messages must be an array")
+        for msg in [decode_message(raw) for raw in batch]:
             shell = self.node.groups.get(msg.group)
             if shell is not None:
                 shell.deliver(msg)
 
     async def raft(self, request: web.Request) -> web.Response:
-        self._deliver_raft(unpackb(await request.read()))
+        try:
+            self._deliver_raft(unpackb(await request.read()))
+        except ValueError as exc:
+            raise ApiError("bad_request", f"malformed replication messages: {exc}") from None
         return web.Response(status=204)
 
     async def raft_stream(self, request: web.Request) -> web.StreamResponse:
@@ -235,7 +241,7 @@ class WorkerApi:
                 if frame.type == WSMsgType.BINARY:
                     try:
                         self._deliver_raft(unpack_frame(frame.data))
-                    except (ValueError, TypeError, KeyError) as exc:
+                    except ValueError as exc:
                         self.node.log.warning("raft_frame_malformed", error=f"{type(exc).__name__}: {exc}")
                         break
         finally:

@@ -72,3 +72,46 @@ def test_stream_frames_are_cut_by_size_and_keep_every_item_in_order() -> None:
     assert [unpack_frame(f) for f in pack_frames(big + [1], limit=100_000)] == [big, [1]]  # alone in its frame
     with pytest.raises(ValueError):
         unpack_frame(b"\xc1")
+
+
+MALFORMED = [
+    "Begin",  # not [type, fields]
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1}, 3],
+    ["Begin", []],  # fields not a map: an AttributeError reached the peer stream's handler
+    [["Begin"], {}],  # an unhashable type name
+    ["Begin", {"src": "w1", "dst": None, "group": 1, "term": 3}],  # was decoded and delivered to the group
+    ["Begin", {"src": "w1", "dst": "w2", "group": "1", "term": 3}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": -1}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": 1 << 63}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": True}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1}],  # term missing
+    ["AppendReply", {**ENV, "ok": 1, "prev_seq": 0}],
+    ["HeartbeatReply", {**ENV, "round": 0, "commit": "3"}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": {}}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "op", {}, None]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "nope", None, None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "op", [], None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "ops", [{}], [], 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "config", [["w1"]], None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, -1, "term_start", None, None, 0]]}],
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_message_is_one_error_and_never_a_message(raw: object) -> None:
+    # Found by tests/tier1/test_fuzz_worker.py: these raised TypeError or
+    # AttributeError, or decoded into a message of the wrong types.
+    from worker.codec import MalformedMessage
+
+    with pytest.raises(MalformedMessage):
+        decode_message(raw)
+
+
+@pytest.mark.parametrize("frame", [b"\xa1", b"\x01\x92\x01", b"\x81\x90\x01"])
+def test_a_frame_that_ends_inside_a_value_or_keys_a_map_by_an_array_is_malformed(frame: bytes) -> None:
+    # The first two were read as the items before the cut (the tail dropped
+    # unnoticed); the last raised TypeError, which no receiver handled.
+    with pytest.raises(ValueError):
+        unpack_frame(frame)
+    with pytest.raises(ValueError):
+        unpackb(frame)

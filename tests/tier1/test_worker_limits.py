@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 from shardgrid.wire import pack_frames, packb, unpack_frame
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
+from worker.transport import STREAM_PATH
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
@@ -40,6 +41,9 @@ class _Shell:
     gid: int = 0
     queued: list[tuple[str, Any]] = field(default_factory=list)
     result: Any = None
+
+    def deliver(self, event: Any) -> None:
+        self.queued.append(("deliver", event))
 
     async def write(self, op: Any, ack: str, rid: str | None, timeout_s: float) -> _Out:
         self.queued.append(("write", op))
@@ -182,3 +186,41 @@ async def test_an_answer_that_cannot_be_encoded_fails_only_its_call(worker: Work
     worker.shell.result = None
     again = await _calls(worker, [[3, "write", 0, {"op": OP}]], 1)
     assert again[3][0] == 200
+
+
+BEGIN = ["Begin", {"src": "w2", "dst": "w1", "group": 0, "term": 3}]
+
+
+@pytest.mark.parametrize("body", [b"\x00\x00", b"\x92\x01", b"\x81\x90\x01", packb({"not": "a list"}),
+                                  packb([["Begin", {"src": "w2", "dst": None, "group": 0, "term": 3}]]),
+                                  packb([BEGIN, ["Begin", []]])], ids=range(6))
+async def test_malformed_replication_messages_are_a_400_and_none_is_delivered(worker: Worker, body: bytes) -> None:
+    # Found by tests/tier1/test_fuzz_worker.py: garbage was a 500, and a
+    # message with a field of the wrong type (dst None) reached the group.
+    resp = await worker.client.post("/v1/raft", data=body, headers=MSGPACK)
+    assert resp.status == 400, await resp.text()
+    assert (await resp.json())["error"]["code"] == "bad_request"
+    assert worker.shell.queued == []
+    resp = await worker.client.post("/v1/raft", data=packb([BEGIN]), headers=MSGPACK)
+    assert resp.status == 204 and [k for k, _ in worker.shell.queued] == ["deliver"]
+
+
+async def test_a_msgpack_map_keyed_by_an_array_is_a_400(worker: Worker) -> None:
+    # msgpack raises TypeError (unhashable key) for it: it was a 500.
+    for route in ("write", "write_batch", "read"):
+        resp = await worker.client.post(f"/v1/groups/0/{route}", data=b"\x81\x90\x01", headers=MSGPACK)
+        assert resp.status == 400, (route, await resp.text())
+    assert worker.shell.queued == []
+
+
+@pytest.mark.parametrize("frame", [packb(BEGIN) + packb(["Begin", []]), packb(BEGIN) + b"\x92\xa5Be"],
+                         ids=["bad message", "cut inside a message"])
+async def test_a_malformed_peer_frame_closes_the_stream_and_delivers_nothing(worker: Worker, frame: bytes) -> None:
+    # `["Begin", []]` crashed the stream handler (AttributeError); a frame cut
+    # inside a message delivered the messages before the cut.
+    ws = await worker.client.ws_connect(STREAM_PATH)
+    await ws.send_bytes(frame)
+    msg = await asyncio.wait_for(ws.receive(), 10)
+    assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
+    await ws.close()
+    assert worker.shell.queued == []
