@@ -63,7 +63,7 @@ from meta.client import MetaClient, MetaUnreachable
 from shardgrid.auth import bearer_token, check_bearer
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
-from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
+from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
 
 MAX_ID_BYTES = 256
@@ -107,8 +107,7 @@ def _tname(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    r = repr(value)
-    return r if len(r) <= 40 else r[:37] + "..."
+    return short_repr(value)
 
 
 def check_id(value: Any, where: str) -> str:

@@ -42,14 +42,23 @@ class Tally:
 
     def line(self) -> str:
         detail = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items()))
-        return f"[fuzz] {self.surface}: {self.total} cases ({detail})"
+        return f"[fuzz] {self.surface}: {self.total} cases, each also replayed once outside hypothesis ({detail})"
 
 
 def drive(loop: asyncio.AbstractEventLoop, strategy: st.SearchStrategy[Any],
-          check: Callable[[Any], Awaitable[None]], max_examples: int) -> None:
-    """Run `check` (a coroutine function, on `loop`) for each example of `strategy`.
+          check: Callable[[Any], Awaitable[None]], max_examples: int, tally: Tally,
+          kind_of: Callable[[Any], str]) -> None:
+    """Run `check` (a coroutine function, on `loop`) for each example of `strategy`,
+    then once more for each outside hypothesis.
 
-    Called from a thread other than the loop's (see `fuzz`)."""
+    The second pass is not redundant: hypothesis raises the interpreter's
+    recursion limit (for every thread) while it runs, which hides the
+    RecursionError a value nested ~1000 levels deep causes in a server that
+    repr()s or str()s it. Called from a thread other than the loop's (see `fuzz`)."""
+    ran: list[Any] = []
+
+    def run(case: Any) -> None:
+        asyncio.run_coroutine_threadsafe(check(case), loop).result(CASE_TIMEOUT_S)
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               phases=(Phase.explicit, Phase.generate, Phase.shrink),
@@ -57,19 +66,52 @@ def drive(loop: asyncio.AbstractEventLoop, strategy: st.SearchStrategy[Any],
                                      HealthCheck.filter_too_much, HealthCheck.large_base_example])
     @given(strategy)
     def prop(case: Any) -> None:
-        asyncio.run_coroutine_threadsafe(check(case), loop).result(CASE_TIMEOUT_S)
+        tally.kinds[kind_of(case)] += 1
+        ran.append(case)
+        run(case)
 
     prop()
+    for case in ran:
+        run(case)
 
 
-async def fuzz(strategy: st.SearchStrategy[Any], check: Callable[[Any], Awaitable[None]], max_examples: int) -> None:
+def drive_sync(strategy: st.SearchStrategy[Any], check: Callable[[Any], None], max_examples: int, tally: Tally,
+               kind_of: Callable[[Any], str]) -> None:
+    """`drive` for a synchronous check (a pure function under test): the same
+    settings, and the same second pass outside hypothesis."""
+    ran: list[Any] = []
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate, Phase.shrink),
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.filter_too_much, HealthCheck.large_base_example])
+    @given(strategy)
+    def prop(case: Any) -> None:
+        tally.kinds[kind_of(case)] += 1
+        ran.append(case)
+        check(case)
+
+    prop()
+    for case in ran:
+        check(case)
+
+
+async def fuzz(strategy: st.SearchStrategy[Any], check: Callable[[Any], Awaitable[None]], max_examples: int,
+               tally: Tally, kind_of: Callable[[Any], str]) -> None:
     """`drive` from inside a test running on the loop: the loop keeps serving meanwhile."""
-    await asyncio.to_thread(drive, asyncio.get_running_loop(), strategy, check, max_examples)
+    await asyncio.to_thread(drive, asyncio.get_running_loop(), strategy, check, max_examples, tally, kind_of)
+
+
+def brief(value: Any, limit: int = 300) -> str:
+    """A case for an assertion message: a megabyte body must not flood the report."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
 def assert_error_answer(status: int, headers: dict[str, str], body: bytes, what: Any,
                         low: int = 400, high: int = 499) -> dict[str, Any]:
     """The answer is a `low`..`high` with the one error body (shardgrid/wire.py); its `error` object."""
+    what = brief(what)
     assert low <= status <= high, (what, status, body[:300])
     assert b"Traceback" not in body, (what, body[:300])
     assert headers.get("content-type", "").startswith("application/json"), (what, headers, body[:300])
@@ -108,8 +150,13 @@ def deep_text(depth: int, kinds: list[bool], leaf: str = "1") -> str:
 @st.composite
 def deep_json(draw: st.DrawFn, min_depth: int = ORJSON_MAX_WRITE_DEPTH + 1,
               max_depth: int = ORJSON_MAX_READ_DEPTH + 200) -> str:
-    depth = draw(st.one_of(st.integers(min_depth, max_depth),
-                           st.sampled_from([min_depth, ORJSON_MAX_READ_DEPTH, ORJSON_MAX_READ_DEPTH + 1])))
+    # The edges: the first depth orjson cannot write, and near Python's
+    # recursion limit (repr or str of such a value raises RecursionError),
+    # up to the last depth orjson reads.
+    edges = [min_depth, 990, 1000, 1010, 1018, 1020, 1022, ORJSON_MAX_READ_DEPTH - 1, ORJSON_MAX_READ_DEPTH,
+             ORJSON_MAX_READ_DEPTH + 1]
+    at_edge = st.sampled_from([d for d in edges if min_depth <= d <= max_depth])
+    depth = draw(st.one_of(st.integers(min_depth, max_depth), at_edge, at_edge))
     kinds = draw(st.lists(st.booleans(), min_size=1, max_size=4))
     return deep_text(depth, kinds)
 

@@ -115,3 +115,13 @@ def test_a_frame_that_ends_inside_a_value_or_keys_a_map_by_an_array_is_malformed
         unpack_frame(frame)
     with pytest.raises(ValueError):
         unpackb(frame)
+
+
+def test_short_repr_is_short_and_safe_for_any_depth() -> None:
+    import orjson
+
+    from shardgrid.wire import short_repr
+
+    assert short_repr(orjson.loads(b"[" * 1020 + b"]" * 1020)) == "[[[[...]]]]"
+    assert short_repr("x" * 100) == "'" + "x" * 36 + "..."
+    assert short_repr("add") == "'add'" and short_repr(2 ** 70) == str(2 ** 70)

@@ -164,10 +164,16 @@ def bad_batch(draw: st.DrawFn) -> Case:
 def too_deep(draw: st.DrawFn) -> Case:
     """Valid JSON nested deeper than orjson can write back: a doc nobody could read again."""
     deep = draw(deep_json())
-    where = draw(st.sampled_from(["item", "signal", "embedding", "search", "batch", "batch_put"]))
+    where = draw(st.sampled_from(["item", "signal", "signal_mode", "signal_entity", "embedding", "search",
+                                  "search_k", "batch", "batch_put", "batch_op", "batch_id"]))
     method, target, text = {
         "item": ("PUT", b"/items/k", deep),
         "signal": ("POST", b"/signals", '{"entity": "e", "kind": "k", "value": %s}' % deep),
+        "signal_mode": ("POST", b"/signals", '{"entity": "e", "kind": "k", "value": 1, "mode": %s}' % deep),
+        "signal_entity": ("POST", b"/signals", '{"entity": %s, "kind": "k", "value": 1}' % deep),
+        "search_k": ("POST", b"/search", '{"vector": [1, 0, 0, 0], "k": %s}' % deep),
+        "batch_op": ("POST", b"/batch", '{"writes": [{"op": %s, "id": "a"}]}' % deep),
+        "batch_id": ("POST", b"/batch", '{"writes": [{"op": "delete_item", "id": %s}]}' % deep),
         "embedding": ("PUT", b"/embeddings/e", '{"vector": %s}' % deep),
         "search": ("POST", b"/search", '{"vector": %s, "k": 1}' % deep),
         "batch": ("POST", b"/batch", '{"writes": [%s]}' % deep),
@@ -277,7 +283,7 @@ def oversized(draw: st.DrawFn) -> Case:
     return Case("oversized", method, target, b'"' + b"x" * ((1 << 20) + extra) + b'"', (), (413, 413))
 
 
-CASES = st.one_of(malformed(), too_deep(), type_confused(), bad_batch(), wrong_content_type(), bad_header(),
+CASES = st.one_of(malformed(), too_deep(), too_deep(), type_confused(), bad_batch(), wrong_content_type(), bad_header(),
                   bad_path_id(), bad_operator())
 
 
@@ -300,7 +306,6 @@ async def _run(aiohttp_server: Any, aiohttp_client: Any, strategy: st.SearchStra
     tally = Tally(surface)
 
     async def check(case: Case) -> None:
-        tally.kinds[case.kind] += 1
         # Per case, so that a failure replays alone when hypothesis shrinks it.
         for w in f.workers.values():
             w.calls.clear()
@@ -312,7 +317,7 @@ async def _run(aiohttp_server: Any, aiohttp_client: Any, strategy: st.SearchStra
         assert f.calls() == [], (case, f.calls())
         assert f.meta.verbs == [], (case, f.meta.verbs)
 
-    await fuzz(strategy, check, max_examples)
+    await fuzz(strategy, check, max_examples, tally, lambda c: c.kind)
     assert all(not w.items and not w.signals and not w.embeddings for w in f.workers.values())
     await _serving(port, f)
     print(tally.line())

@@ -174,3 +174,16 @@ async def test_a_doc_nested_as_deep_as_orjson_writes_is_stored(env: Any) -> None
     assert resp.status == 200, await resp.text()
     resp = await client.post("/batch", data=b'{"writes": [{"op": "put_item", "id": "a", "doc": ' + _nested(254) + b"}]}")
     assert resp.status == 200 and "error" not in (await resp.json())["results"][0], await resp.text()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/signals", b'{"entity": "e", "kind": "k", "value": 1, "mode": ' + _nested(1020) + b"}"),
+    ("/batch", b'{"writes": [{"op": ' + _nested(1020) + b', "id": "a"}]}'),
+], ids=["signal mode", "batch op"])
+async def test_a_value_nested_past_the_recursion_limit_is_400(env: Any, path: str, body: bytes) -> None:
+    # Found by tests/tier1/test_fuzz_gateway.py: the error message's repr() of
+    # the value raised RecursionError, a 500 instead of a 400.
+    f, client = env
+    resp = await client.post(path, data=body)
+    assert resp.status == 400, await resp.text()
+    assert f.calls() == []

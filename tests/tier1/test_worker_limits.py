@@ -224,3 +224,12 @@ async def test_a_malformed_peer_frame_closes_the_stream_and_delivers_nothing(wor
     assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
     await ws.close()
     assert worker.shell.queued == []
+
+
+async def test_an_unknown_call_nested_past_the_recursion_limit_is_a_400(worker: Worker) -> None:
+    # Its name went into the error message through repr(): RecursionError, a 500.
+    deep = msgpack.unpackb(b"\x91" * 1000 + b"\x90")
+    answers = await _calls(worker, [[1, deep, 0, {"op": OP}], [2, "write", deep, {"op": OP}],
+                                    [3, "write", "0", {"op": OP}]], 3)
+    assert {cid: status for cid, (status, _) in answers.items()} == {1: 400, 2: 400, 3: 400}, answers
+    assert worker.shell.queued == []
