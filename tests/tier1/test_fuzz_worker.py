@@ -77,7 +77,8 @@ NOT_STR = MSGPACKISH.filter(lambda v: type(v) is not str)
 NOT_BOOL = MSGPACKISH.filter(lambda v: type(v) is not bool)
 BAD_ENTRY = st.one_of(
     MSGPACKISH.filter(lambda v: type(v) is not list or len(v) != 6),
-    st.tuples(st.integers(0, 3), NOT_INT).map(lambda t: [t[1] if i == t[0] else 1 for i in (0, 1, 5)]).map(
+    # term, seq or ts not a non-negative int64
+    st.tuples(st.integers(0, 2), NOT_INT).map(lambda t: [t[1] if i == t[0] else 1 for i in range(3)]).map(
         lambda p: [p[0], p[1], "term_start", None, None, p[2]]),
     MSGPACKISH.filter(lambda v: v not in ("op", "ops", "term_start", "config")).map(
         lambda k: [1, 1, k, None, None, 0]),
