@@ -336,3 +336,41 @@ async def test_oversized_bodies_are_413_and_change_nothing(aiohttp_server: Any, 
     # Apart, and few: each case moves a megabyte.
     tally = await _run(aiohttp_server, aiohttp_client, oversized(), 15, "gateway oversized")
     record_property("fuzz_cases", tally.total)
+
+
+@st.composite
+def unparseable(draw: st.DrawFn) -> Case:
+    """Requests aiohttp's HTTP parser refuses before any handler runs: control
+    bytes in a header, raw non-ASCII in the path, a line over 8190 bytes."""
+    how = draw(st.sampled_from(["header_control", "path_byte", "long_line", "header_name"]))
+    if how == "header_control":
+        value = draw(st.binary(min_size=1, max_size=20)).replace(b"\r", b"").replace(b"\n", b"")
+        value += bytes([draw(st.sampled_from([0, 1, 8, 0x0B, 0x0C, 0x1F, 0x7F]))])
+        return Case(how, "PUT", b"/items/k", b'{"x": 1}', (b"x-request-id: " + value,))
+    if how == "path_byte":
+        return Case(how, "PUT", b"/items/k" + bytes([draw(st.integers(0x80, 0xFF))]), b'{"x": 1}')
+    if how == "long_line":
+        return Case(how, "PUT", b"/items/" + b"k" * draw(st.integers(8200, 9000)), b'{"x": 1}')
+    name = draw(st.sampled_from([b"x ack", b"x-ack\xff", b"(x)", b"x@y", b""]))
+    return Case(how, "PUT", b"/items/k", b'{"x": 1}', (name + b": leader",))
+
+
+async def test_what_the_http_parser_refuses_is_400_and_changes_nothing(aiohttp_server: Any, aiohttp_client: Any,
+                                                                      record_property: Any) -> None:
+    """These never reach the gateway's code, so their body is aiohttp's short
+    plain-text reason, not the JSON error body: a 400 without a trace, and
+    nothing stored."""
+    f = await make_fakes(aiohttp_server, shards=3, dim=DIM)
+    client, _ = await start_gateway(aiohttp_client, [f.meta_addr], admin_token=TOKEN)
+    tally = Tally("gateway http parser")
+
+    async def check(case: Case) -> None:
+        status, _, body = await raw_request("127.0.0.1", client.port, case.method, case.target, list(case.headers),
+                                            case.body)
+        assert status == 400 and b"Traceback" not in body and b'File "' not in body, (case, status, body[:300])
+        assert f.calls() == [], case
+
+    await fuzz(unparseable(), check, 40, tally, lambda c: c.kind)
+    await _serving(client.port, f)
+    print(tally.line())
+    record_property("fuzz_cases", tally.total)
