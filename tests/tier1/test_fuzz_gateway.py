@@ -17,7 +17,6 @@ from typing import Any
 
 import msgpack
 import orjson
-import pytest
 from hypothesis import strategies as st
 
 from tests.support.rawhttp import raw_request
@@ -252,7 +251,8 @@ def _auth_ok(v: bytes) -> bool:
 @st.composite
 def bad_operator(draw: st.DrawFn) -> Case:
     how = draw(st.sampled_from(["authorization", "no_authorization", "gid", "deadline"]))
-    method, target = draw(st.sampled_from([("POST", b"/cluster/shards/0/transfer"), ("POST", b"/cluster/shards/1/replicas"),
+    method, target = draw(st.sampled_from([("POST", b"/cluster/shards/0/transfer"),
+                                           ("POST", b"/cluster/shards/1/replicas"),
                                            ("GET", b"/cluster/status"), ("GET", b"/cluster/shards")]))
     auth = b"Authorization: Bearer " + TOKEN.encode()
     body = draw(st.sampled_from([b"", b'{"to": "w2"}', b'{"add": "w4"}']))

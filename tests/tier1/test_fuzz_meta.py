@@ -422,8 +422,9 @@ def bad_authorization(draw: st.DrawFn) -> Case:
     return Case("bad_authorization", method, target, body, headers, (401, 401))
 
 
-CASES = st.one_of(bad_topology(), bad_topology(), bad_verb(), bad_group_id(), bad_group_id(), bad_cas(), bad_register(), bad_heartbeat(),
-                  bad_heartbeat(), bad_body_bytes(), bad_watch(), bad_authorization())
+CASES = st.one_of(bad_topology(), bad_topology(), bad_verb(), bad_group_id(), bad_group_id(), bad_cas(),
+                  bad_register(), bad_heartbeat(), bad_heartbeat(), bad_body_bytes(), bad_watch(),
+                  bad_authorization())
 
 
 async def test_hostile_requests_are_4xx_and_change_nothing(meta: Meta, record_property: Any) -> None:

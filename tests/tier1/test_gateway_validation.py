@@ -172,7 +172,8 @@ async def test_a_doc_nested_as_deep_as_orjson_writes_is_stored(env: Any) -> None
     f, client = env
     resp = await client.put("/items/k", data=_nested(254))
     assert resp.status == 200, await resp.text()
-    resp = await client.post("/batch", data=b'{"writes": [{"op": "put_item", "id": "a", "doc": ' + _nested(254) + b"}]}")
+    body = b'{"writes": [{"op": "put_item", "id": "a", "doc": ' + _nested(254) + b"}]}"
+    resp = await client.post("/batch", data=body)
     assert resp.status == 200 and "error" not in (await resp.json())["results"][0], await resp.text()
 
 
