@@ -39,12 +39,16 @@ def shard_writes(ops: list[dict[str, Any]], idxs: list[int], request_id: str, gi
                  max_doc_bytes: int) -> ShardWrites:
     """The writes for batch writes `idxs` (all of shard `gid`); `ops[i]` is write i's op.
 
-    Raises 400 (ApiError) for a doc whose JSON is over `max_doc_bytes`: the
-    caller builds every shard's writes before sending any, so a bad batch
-    changes nothing.
+    Raises 400 (ApiError) for a doc whose JSON is over `max_doc_bytes` or
+    that cannot be encoded at all: the caller builds every shard's writes
+    before sending any, so a bad batch changes nothing.
     """
     puts = [i for i in idxs if ops[i]["kind"] == "put_item"]
     if len(puts) < 2:
+        for i in puts:
+            # A lone put goes as its own op, but a doc orjson cannot encode
+            # (nested past its depth limit) must be refused here all the same.
+            _doc_json(ops[i]["doc"], i)
         puts = []
     writes: list[tuple[dict[str, Any], str]] = []
     owners: list[list[int]] = []

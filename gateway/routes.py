@@ -68,7 +68,7 @@ from shardgrid.peerauth_http import PeerSigner
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
 from shardgrid.tls import NO_TLS, Tls, connector_ssl
-from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response
+from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
 
 MAX_ID_BYTES = 256
@@ -76,6 +76,7 @@ MAX_BATCH = 1000
 MAX_K = 1000
 MAX_DEADLINE_MS = 300_000
 MAX_DOC_BYTES = 1 << 20  # the workers' admission limit on a doc's JSON encoding
+MAX_DOC_DEPTH = 254  # the deepest nesting orjson encodes (it reads deeper)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 OPERATOR_DEADLINE_MS = 10_000
 ACKS = ("leader", "quorum", "all")
@@ -117,8 +118,7 @@ def _tname(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    r = repr(value)
-    return r if len(r) <= 40 else r[:37] + "..."
+    return short_repr(value)
 
 
 def check_id(value: Any, where: str) -> str:
@@ -182,11 +182,27 @@ def check_keys(obj: Any, required: tuple[str, ...], optional: tuple[str, ...], w
 def check_doc(doc: Any, raw_len: int | None = None) -> None:
     # Encoding costs time; a doc whose request body is small cannot be over the limit
     # (compact orjson output is at most ~2x its JSON input, e.g. `1e2` -> `100.0`).
+    # raw_len None: encode and measure (see doc_hint for when a body must be).
     if raw_len is not None and raw_len * 2 < MAX_DOC_BYTES:
         return
-    size = len(orjson.dumps(doc))
+    try:
+        size = len(orjson.dumps(doc))
+    except orjson.JSONEncodeError:
+        # orjson reads JSON nested up to 1024 levels but writes at most
+        # MAX_DOC_DEPTH: such a doc could be stored and never served again.
+        raise _bad(f"the document is nested deeper than {MAX_DOC_DEPTH} levels") from None
     if size > MAX_DOC_BYTES:
         raise _bad(f"the document is {size} bytes of JSON; the limit is {MAX_DOC_BYTES}")
+
+
+def doc_hint(raw: bytes) -> int | None:
+    """The `raw_len` for `check_doc` of a doc read from `raw`: its length, or
+    None when the body has brackets enough to nest past MAX_DOC_DEPTH (then
+    only encoding the doc can tell). Counting is a C loop over the bytes,
+    far cheaper than an encode."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_DOC_DEPTH:
+        return None
+    return len(raw)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -539,7 +555,7 @@ class Gateway:
         id_ = check_id(request.match_info["id"], "item id")
         raw = await request.read()
         doc = parse_json(raw)
-        check_doc(doc, len(raw))
+        check_doc(doc, doc_hint(raw))
         table, deadline = await self._table(opts)
         return await self._write(opts, trace, id_, {"kind": "put_item", "id": id_, "doc": doc}, _render_put(id_),
                                  (table, deadline), len(raw))
@@ -634,6 +650,7 @@ class Gateway:
         if len(writes) > MAX_BATCH:
             raise _bad(f"a batch holds at most {MAX_BATCH} writes, got {len(writes)}")
         table, deadline = await self._table(opts)
+        # Docs nested too deep to encode are refused by shard_writes, which encodes every put.
         parsed = [batch_write(item, i, table.embedding_dim, len(raw)) for i, item in enumerate(writes)]
         by_shard: dict[int, list[int]] = {}
         shard_for = shard_function(table.shards)

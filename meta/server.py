@@ -39,7 +39,7 @@ from shardgrid.peerauth import ClusterKeys, Principal, SessionTable
 from shardgrid.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
 from shardgrid.tls import connector_ssl, scheme
 from shardgrid.units import MAX_BYTES
-from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response
+from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response, short_repr
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import GroupSpec, Topology
@@ -309,10 +309,9 @@ class MetaServer:
         body = await request.read()
         dry_run = request.query.get("dry_run", "") in ("1", "true", "yes")
         pinned = request.query.get("expect_revision")
-        try:
-            expect = int(pinned) if pinned is not None else None
-        except ValueError:
-            raise ApiError("bad_request", "expect_revision must be an integer") from None
+        expect = _decimal(pinned) if pinned is not None else None
+        if pinned is not None and expect is None:
+            raise ApiError("bad_request", "expect_revision must be a non-negative integer (decimal digits)")
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         while True:
             sm = self.raft.sm
@@ -519,10 +518,10 @@ class MetaServer:
 
     @staticmethod
     def _gid(request: web.Request) -> int:
-        try:
-            return int(request.match_info["gid"])
-        except ValueError:
-            raise ApiError("bad_request", "group id must be an integer") from None
+        gid = _decimal(request.match_info["gid"])
+        if gid is None:
+            raise ApiError("bad_request", "group id must be a non-negative integer (decimal digits)")
+        return gid
 
     async def group_ready(self, request: web.Request) -> web.Response:
         """A leader finished its start-of-term protocol (CAS on term and leader)."""
@@ -731,28 +730,14 @@ class MetaServer:
         reports: dict[int, GroupReport] = {}
         try:
             for gid, rep in raw_groups.items():
-                reports[int(gid)] = GroupReport(
-                    term=int(rep.get("term", 0)), role=str(rep.get("role", "")),
-                    last_term=int(rep.get("last_term", 0)), last_seq=int(rep.get("last_seq", 0)),
-                    commit=int(rep.get("commit", 0)), applied=int(rep.get("applied", 0)),
-                    voters=tuple(str(v) for v in rep.get("voters", ())),
-                    learners=tuple(str(v) for v in rep.get("learners", ())),
-                    config_seq=int(rep.get("config_seq", 0)), resyncing=bool(rep.get("resyncing", False)),
-                    failed=_failed_of(rep),
-                    write_rate=float(rep.get("write_rate", 0) or 0),
-                    quorum=_opt_bool(rep.get("quorum")),
-                    unheard=tuple(str(v) for v in rep.get("unheard") or ()),
-                    leader_silence_ms=_opt_int(rep.get("leader_silence_ms")),
-                    disk_bytes=int(rep.get("disk_bytes", 0) or 0),
-                    snapshot_bytes=_opt_int(rep.get("snapshot_bytes")),
-                    snapshot_total=_opt_int(rep.get("snapshot_total")),
-                    snapshot_waiting=bool(rep.get("snapshot_waiting", False)),
-                    persist_p99_ms=_opt_ms(rep.get("persist_p99_ms")),
-                    persist_ema_ms=_opt_ms(rep.get("persist_ema_ms")))
-        except (TypeError, ValueError, AttributeError):
-            raise ApiError("bad_request", "each group report needs integer term/last_term/last_seq/commit/applied, "
-                           "quorum true/false/null, leader_silence_ms, snapshot_bytes and snapshot_total integers "
-                           "or null, and persist_p99_ms/persist_ema_ms non-negative numbers") from None
+                reports[_group_key(gid)] = _group_report(rep)
+        except (TypeError, ValueError):
+            raise ApiError("bad_request", "each group report (keyed by the group id's digits) needs integer "
+                           "term/last_term/last_seq/commit/applied/config_seq/disk_bytes >= 0, quorum true/false/null, "
+                           "leader_silence_ms, snapshot_bytes and snapshot_total integers or null, "
+                           "persist_p99_ms/persist_ema_ms/write_rate non-negative numbers, resyncing and "
+                           "snapshot_waiting booleans, role and failed strings, voters/learners/unheard arrays of "
+                           "strings") from None
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")
@@ -1022,6 +1007,21 @@ def _retarget_lines(sm: MetaStateMachine, topo: Topology, stale: list[int], acti
     return out
 
 
+def _decimal(raw: str) -> int | None:
+    """The int that `raw` spells in ASCII digits (at most 19), else None.
+
+    Not int(): it also reads " 1", "+1", "1_0" and other scripts' digits
+    ("١" is 1), so a path naming no group in any way a client meant could
+    compare-and-set one."""
+    if raw.isascii() and raw.isdigit() and len(raw) <= 19:
+        return int(raw)
+    return None
+
+
+# The deepest nesting orjson encodes (it reads up to 1024 levels).
+MAX_BODY_DEPTH = 254
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
@@ -1030,7 +1030,43 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise ApiError("bad_request", f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError("bad_request", "the body must be a JSON object")
+    # Meta serves some of what it is sent (a heartbeat's report, in every
+    # /v1/cluster answer): a body nested deeper than orjson writes would make
+    # each of those a 500. Only a body with brackets enough can be; counting
+    # them is a C loop, far cheaper than the encode that decides.
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise ApiError("bad_request", f"the body is nested deeper than {MAX_BODY_DEPTH} levels") from None
     return body
+
+
+# A heartbeat's report is read strictly: a field of the wrong type is a 400,
+# never coerced (int("12"), float([] or 0), bool("no") all "worked" and let a
+# malformed report into the controller's decisions). Absent numbers read as
+# 0 (older workers leave later fields out), and so do a null disk_bytes and
+# latency, as they always have.
+_INT64_MAX = (1 << 63) - 1
+
+
+def _group_key(gid: Any) -> int:
+    if not (isinstance(gid, str) and gid.isascii() and gid.isdigit() and len(gid) <= 19):
+        raise ValueError("a group id key must be its decimal digits")
+    return int(gid)
+
+
+def _int_field(rep: dict[str, Any], key: str, null_ok: bool = False) -> int:
+    value = rep.get(key, 0)
+    if value is None and null_ok:
+        return 0
+    if type(value) is not int or not 0 <= value <= _INT64_MAX:
+        raise TypeError(f"{key} must be a non-negative integer")
+    return value
+
+
+def _opt_int(rep: dict[str, Any], key: str) -> int | None:
+    return None if rep.get(key) is None else _int_field(rep, key)
 
 
 def _opt_bool(value: Any) -> bool | None:
@@ -1039,16 +1075,45 @@ def _opt_bool(value: Any) -> bool | None:
     raise TypeError("quorum must be true, false or null")
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _bool_field(rep: dict[str, Any], key: str) -> bool:
+    value = rep.get(key, False)
+    if type(value) is not bool:
+        raise TypeError(f"{key} must be true or false")
+    return value
 
 
 def _opt_ms(value: Any) -> float:
-    """A reported latency (ms): absent (an older worker) reads as 0, "not measured"."""
-    ms = float(value or 0)
-    if not 0 <= ms < float("inf"):
+    """A reported latency (ms) or rate: absent (an older worker) reads as 0, "not measured"."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError("a latency must be a finite, non-negative number of ms")
-    return ms
+    return float(value)
+
+
+def _names(rep: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = rep.get(key) or []
+    if type(value) is not list or not all(type(v) is str for v in value):
+        raise TypeError(f"{key} must be an array of worker ids")
+    return tuple(value)
+
+
+def _group_report(rep: Any) -> GroupReport:
+    if type(rep) is not dict:
+        raise TypeError("a group report must be an object")
+    role = rep.get("role", "")
+    if type(role) is not str:
+        raise TypeError("role must be a string")
+    return GroupReport(
+        term=_int_field(rep, "term"), role=role, last_term=_int_field(rep, "last_term"),
+        last_seq=_int_field(rep, "last_seq"), commit=_int_field(rep, "commit"), applied=_int_field(rep, "applied"),
+        voters=_names(rep, "voters"), learners=_names(rep, "learners"), config_seq=_int_field(rep, "config_seq"),
+        resyncing=_bool_field(rep, "resyncing"), failed=_failed_of(rep), write_rate=_opt_ms(rep.get("write_rate")),
+        quorum=_opt_bool(rep.get("quorum")), unheard=_names(rep, "unheard"),
+        leader_silence_ms=_opt_int(rep, "leader_silence_ms"), disk_bytes=_int_field(rep, "disk_bytes", null_ok=True),
+        snapshot_bytes=_opt_int(rep, "snapshot_bytes"), snapshot_total=_opt_int(rep, "snapshot_total"),
+        snapshot_waiting=_bool_field(rep, "snapshot_waiting"),
+        persist_p99_ms=_opt_ms(rep.get("persist_p99_ms")), persist_ema_ms=_opt_ms(rep.get("persist_ema_ms")))
 
 
 def _failed_of(rep: dict[str, Any]) -> str | None:
@@ -1056,8 +1121,12 @@ def _failed_of(rep: dict[str, Any]) -> str | None:
 
     A group the worker found corrupt at start-up is reported as
     `{"state": "corrupt", "error": ...}`: it must not lead either."""
-    if rep.get("failed") is not None:
-        return str(rep["failed"])[:200]
+    failed = rep.get("failed")
+    if failed is not None:
+        if type(failed) is not str:
+            raise TypeError("failed must be a string or null")
+        return failed[:200]
     if rep.get("state") == "corrupt":
-        return f"corrupt: {rep.get('error')}"[:200]
+        error = rep.get("error")
+        return f"corrupt: {error if type(error) is str else short_repr(error)}"[:200]
     return None

@@ -5,6 +5,7 @@ Every HTTP error anywhere in shardgrid is
 """
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
@@ -32,6 +33,19 @@ STATUS_FOR_CODE: dict[str, int] = {
 # The `reason` of a worker's 409 `conflict` answer to `POST /v1/assignments`
 # (meta's controller placing a replica on it): why it cannot take one.
 REFUSAL_REASONS = ("insufficient_disk", "insufficient_ram", "draining")
+
+
+# Containers are shown a few levels deep: repr() of a client's value nested
+# ~1000 levels (JSON and msgpack both decode that deep) raises RecursionError.
+_SHALLOW = reprlib.Repr()
+_SHALLOW.maxlevel = 3
+
+
+def short_repr(value: Any, limit: int = 40) -> str:
+    """repr of a client's value for an error message: at most `limit` characters,
+    and safe for any value a decoder produced (however deeply nested)."""
+    r = repr(value) if isinstance(value, (str, int, float, bool, type(None), bytes)) else _SHALLOW.repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 class ApiError(Exception):
@@ -70,8 +84,14 @@ def packb(obj: Any) -> bytes:
 
 
 def unpackb(data: bytes) -> Any:
+    """The one msgpack value `data` holds. Raises ValueError for anything else."""
     # strict_map_key=False: group ids are ints used as map keys.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError as exc:
+        # A map keyed by an array or a map (unhashable in Python): callers
+        # handle ValueError as "malformed", and a TypeError became a 500.
+        raise ValueError(f"malformed msgpack: {exc}") from None
 
 
 # A stream frame (worker/transport.py, gateway/calls.py) is msgpack values

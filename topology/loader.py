@@ -53,6 +53,11 @@ def _parse(text: str) -> object:
     except yaml.YAMLError as e:
         # Reader errors (e.g. control characters) carry a position, not a mark.
         raise TopologyError([FieldError("", f"invalid YAML: {e}")]) from None
+    except RecursionError:
+        # PyYAML composes and constructs recursively: a document nested
+        # about a thousand levels deep (`[[[[...`) exhausts the stack. No
+        # topology is nested more than a few levels; this is an input error.
+        raise TopologyError([FieldError("", "invalid YAML: nested too deeply")]) from None
 
 
 def load_topology(text: str | bytes, *, live: Topology | None = None) -> Topology:

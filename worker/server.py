@@ -21,7 +21,7 @@ from shardgrid.peerauth import Principal, SessionTable
 from shardgrid.peerauth_http import ANY_ROLE, PeerGuard, peer_of
 from shardgrid.peerauth_http import refusal as auth_refusal
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, error_body, error_middleware, \
-    json_response, pack_frames, packb, unpack_frame, unpack_frame_sized, unpackb
+    json_response, pack_frames, packb, short_repr, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import MalformedMessage, decode_message
@@ -534,13 +534,18 @@ class WorkerApi:
             self.node.log.warning("call_malformed")
             return
         try:
-            fn = self._call_ops.get(op)
+            # op and gid are a client's values: checked before they are hashed,
+            # and never repr()'d or logged whole (one nested ~1000 deep raises
+            # RecursionError, which would kill this task unanswered).
+            fn = self._call_ops.get(op) if type(op) is str else None
             if fn is None:
-                raise ApiError("bad_request", f"unknown call {op!r}")
-            shell = self.node.groups.get(gid) if isinstance(gid, int) else None
+                raise ApiError("bad_request", f"unknown call {short_repr(op)}")
+            shell = self.node.groups.get(gid) if type(gid) is int else None
             if shell is None:
+                if type(gid) is not int:
+                    raise ApiError("bad_request", f"group id must be an integer, got {short_repr(gid)}")
                 raise ApiError("not_leader", f"worker {self.node.id} hosts no replica of group {gid}", shard=gid,
-                               leader=self.node.leader_of(gid) if isinstance(gid, int) else None)
+                               leader=self.node.leader_of(gid))
             res = await fn(shell, body, size)
             out.put([cid, res.status, res.body])
         except ApiError as err:

@@ -18,3 +18,25 @@ async def raw_status(host: str, port: int, method: str, path: str, headers: list
         writer.close()
     status_line, _, rest = raw.partition(b"\r\n")
     return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+async def raw_request(host: str, port: int, method: str, target: bytes, headers: list[bytes],
+                      body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """Like `raw_status`, with the request target as bytes (any path, even one no URL
+    library would build) and the answer's headers (lower-cased names)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        head = [method.encode() + b" " + target + b" HTTP/1.1", b"Host: test", b"Connection: close",
+                f"Content-Length: {len(body)}".encode(), *headers]
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head_raw, _, rest = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head_raw.split(b"\r\n")
+    answer_headers: dict[str, str] = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        answer_headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return int(status_line.split()[1]), answer_headers, rest

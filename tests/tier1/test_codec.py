@@ -219,3 +219,56 @@ def test_whatever_a_peer_sends_decodes_to_a_well_typed_message_or_is_refused(
     assert type(entries) is tuple and all(type(e) is m.Entry for e in entries)
     for i, e in enumerate(entries):
         assert e.seq == msg.prev_seq + 1 + i and type(e.term) is int and e.term <= msg.term  # type: ignore[attr-defined]
+
+
+MALFORMED_FOUND_BY_FUZZ = [
+    "Begin",  # not [type, fields]
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1}, 3],
+    ["Begin", []],  # fields not a map: an AttributeError reached the peer stream's handler
+    [["Begin"], {}],  # an unhashable type name
+    ["Begin", {"src": "w1", "dst": None, "group": 1, "term": 3}],  # was decoded and delivered to the group
+    ["Begin", {"src": "w1", "dst": "w2", "group": "1", "term": 3}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": -1}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": 1 << 63}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1, "term": True}],
+    ["Begin", {"src": "w1", "dst": "w2", "group": 1}],  # term missing
+    ["AppendReply", {**ENV, "ok": 1, "prev_seq": 0}],
+    ["HeartbeatReply", {**ENV, "round": 0, "commit": "3"}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": {}}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "op", {}, None]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "nope", None, None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "op", [], None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "ops", [{}], [], 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, 1, "config", [["w1"]], None, 0]]}],
+    ["Append", {**ENV, "prev_term": 0, "prev_seq": 0, "commit": 0, "entries": [[1, -1, "term_start", None, None, 0]]}],
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED_FOUND_BY_FUZZ, ids=range(len(MALFORMED_FOUND_BY_FUZZ)))
+def test_a_malformed_message_is_one_error_and_never_a_message(raw: object) -> None:
+    # Found by tests/tier1/test_fuzz_worker.py: these raised TypeError or
+    # AttributeError, or decoded into a message of the wrong types.
+    from worker.codec import MalformedMessage
+
+    with pytest.raises(MalformedMessage):
+        decode_message(raw)
+
+
+@pytest.mark.parametrize("frame", [b"\xa1", b"\x01\x92\x01", b"\x81\x90\x01"])
+def test_a_frame_that_ends_inside_a_value_or_keys_a_map_by_an_array_is_malformed(frame: bytes) -> None:
+    # The first two were read as the items before the cut (the tail dropped
+    # unnoticed); the last raised TypeError, which no receiver handled.
+    with pytest.raises(ValueError):
+        unpack_frame(frame)
+    with pytest.raises(ValueError):
+        unpackb(frame)
+
+
+def test_short_repr_is_short_and_safe_for_any_depth() -> None:
+    import orjson
+
+    from shardgrid.wire import short_repr
+
+    assert short_repr(orjson.loads(b"[" * 1020 + b"]" * 1020)) == "[[[[...]]]]"
+    assert short_repr("x" * 100) == "'" + "x" * 36 + "..."
+    assert short_repr("add") == "'add'" and short_repr(2 ** 70) == str(2 ** 70)

@@ -149,3 +149,42 @@ def test_batch_put_fast_path_leaves_large_bodies_to_the_doc_size_check() -> None
     item = {"op": "put_item", "id": "a", "doc": "x" * (1 << 20)}
     with pytest.raises(ApiError, match="the limit is"):
         batch_write(item, 0, 4, (1 << 20) + 40)
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"1" + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [255, 1000])
+async def test_a_doc_nested_past_what_orjson_writes_is_400_and_reaches_no_worker(env: Any, depth: int) -> None:
+    # orjson reads 1024 levels but writes 254: found by tests/tier1/test_fuzz_gateway.py,
+    # such a doc was stored and could never be served (or re-encoded for a batch) again.
+    f, client = env
+    for path, body in [("/items/k", _nested(depth)),
+                       ("/batch", b'{"writes": [{"op": "put_item", "id": "a", "doc": ' + _nested(depth) + b"}]}")]:
+        resp = await client.request("PUT" if path.startswith("/items") else "POST", path, data=body)
+        assert resp.status == 400, (path, await resp.text())
+        assert (await resp.json())["error"]["code"] == "bad_request"
+    assert f.calls() == []
+
+
+async def test_a_doc_nested_as_deep_as_orjson_writes_is_stored(env: Any) -> None:
+    f, client = env
+    resp = await client.put("/items/k", data=_nested(254))
+    assert resp.status == 200, await resp.text()
+    body = b'{"writes": [{"op": "put_item", "id": "a", "doc": ' + _nested(254) + b"}]}"
+    resp = await client.post("/batch", data=body)
+    assert resp.status == 200 and "error" not in (await resp.json())["results"][0], await resp.text()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/signals", b'{"entity": "e", "kind": "k", "value": 1, "mode": ' + _nested(1020) + b"}"),
+    ("/batch", b'{"writes": [{"op": ' + _nested(1020) + b', "id": "a"}]}'),
+], ids=["signal mode", "batch op"])
+async def test_a_value_nested_past_the_recursion_limit_is_400(env: Any, path: str, body: bytes) -> None:
+    # Found by tests/tier1/test_fuzz_gateway.py: the error message's repr() of
+    # the value raised RecursionError, a 500 instead of a 400.
+    f, client = env
+    resp = await client.post(path, data=body)
+    assert resp.status == 400, await resp.text()
+    assert f.calls() == []

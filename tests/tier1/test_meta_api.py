@@ -524,3 +524,62 @@ async def test_without_an_admin_token_a_silent_worker_may_move_a_live_one_may_no
         assert await _addr(client, "w7") == "127.0.0.1:99"
     finally:
         raft.close()
+
+
+# -- found by tests/tier1/test_fuzz_meta.py -----------------------------------------------------------
+
+async def _leading(api: TestClient) -> None:
+    """Heartbeats go to the leader once its controller loop has started (its soft state exists)."""
+    server = api.server.app[SERVER_KEY]
+    await _until(lambda: server.soft is not None, "the controller to start on the leader")
+
+
+async def test_a_heartbeat_nested_past_what_orjson_writes_is_400_and_cluster_keeps_serving(api: TestClient) -> None:
+    # Meta kept the raw report and served it in /v1/cluster: every read of it became a 500.
+    await _leading(api)
+    deep = b"[" * 300 + b"]" * 300
+    hb = await api.post("/v1/workers/w7/heartbeat", data=b'{"groups": {}, "extra": ' + deep + b"}")
+    assert hb.status == 400 and (await hb.json())["error"]["code"] == "bad_request"
+    assert (await api.get("/v1/cluster")).status == 200
+    # Nesting orjson still writes is a heartbeat like any other.
+    ok = b"[" * 200 + b"]" * 200
+    assert (await api.post("/v1/workers/w7/heartbeat", data=b'{"groups": {}, "extra": ' + ok + b"}")).status == 200
+    assert (await api.get("/v1/cluster")).status == 200
+
+
+WRONG_TYPES: list[dict[str, Any]] = [
+    {"persist_p99_ms": []}, {"persist_ema_ms": "0.5"}, {"write_rate": {}}, {"term": "12"}, {"term": 1.5},
+    {"term": True}, {"last_seq": -1}, {"commit": None}, {"disk_bytes": "100"}, {"resyncing": "no"},
+    {"snapshot_waiting": 1}, {"role": ["leader"]}, {"voters": "w1"}, {"unheard": [1]}, {"failed": ["disk"]},
+    {"leader_silence_ms": 2.5}]
+
+
+async def test_a_heartbeat_field_of_the_wrong_type_is_400_not_coerced(api: TestClient) -> None:
+    # int("12"), float([] or 0), bool("no"): each was read as a number or a flag.
+    # (One meta node for every case: starting one per case costs a second each.)
+    await _leading(api)
+    for bad in WRONG_TYPES:
+        hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {"0": {"term": 1, **bad}}})
+        assert hb.status == 400, (bad, await hb.text())
+    for key in ["١", "１", " 0", "+0", "0_0"]:
+        hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {key: {"term": 1}}})
+        assert hb.status == 400, (key, await hb.text())
+    view = await (await api.get("/v1/cluster")).json()
+    assert "w7" not in view["workers"]
+
+
+async def test_a_group_id_int_reads_but_no_client_writes_is_400_and_changes_nothing(api: TestClient) -> None:
+    # int() reads other scripts' digits ("١", "１" are 1), blanks, "+" and "_":
+    # POST /v1/groups/１/leader moved group 1's leadership.
+    await _leading(api)
+    await put(api, EXAMPLE)
+    before = (await (await api.get("/v1/cluster")).json())["groups"]
+    for gid in ["%D9%A1", "%EF%BC%91", "%201", "+1", "1_0", "1%C2%A0"]:
+        for route, body in [("leader", {"leader": "w2", "expect_term": 1}), ("ready", {"term": 1, "leader": "w2"}),
+                            ("transfer", {"to": "w2"}), ("replicas", {"add": "w4"})]:
+            resp = await api.post(f"/v1/groups/{gid}/{route}", json=body, headers=AUTH)
+            assert resp.status == 400, (gid, route, await resp.text())
+        assert (await api.delete(f"/v1/groups/{gid}/operator", headers=AUTH)).status == 400
+    assert (await (await api.get("/v1/cluster")).json())["groups"] == before
+    resp = await put(api, EXAMPLE.replace("lease_ms: 1500", "lease_ms: 1600"), expect_revision="１")
+    assert resp.status == 400

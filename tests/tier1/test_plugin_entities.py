@@ -611,3 +611,21 @@ def test_bad_snapshots_are_refused_and_keep_the_state(tmp_path: Path) -> None:
         victim.restore(tmp_path / "missing")
 
     assert snapshot_bytes(victim, tmp_path / "after") == before
+
+
+def _nested(depth: int) -> Any:
+    # orjson, not a Python loop: the value is as a client's JSON decodes.
+    return orjson.loads(b"[" * depth + b"]" * depth)
+
+
+@pytest.mark.parametrize("op", [
+    {"kind": "signal", "entity": "e", "name": "n", "value": 1, "mode": _nested(1020)},
+    {"kind": _nested(1020), "id": "a"},
+    {"kind": "search", "vector": [1.0] * DIM, "k": _nested(1020)},
+], ids=["signal mode", "kind", "search k"])
+def test_a_value_nested_past_the_recursion_limit_is_a_bad_op(op: dict[str, Any]) -> None:
+    # Found by tests/tier1/test_fuzz_worker.py: the error message's repr()
+    # of the value raised RecursionError, a 500 instead of a 400.
+    p = make()
+    with pytest.raises(BadOp):
+        p.query(op) if op["kind"] == "search" else p.validate(op)

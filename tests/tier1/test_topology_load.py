@@ -436,3 +436,11 @@ def test_valid_documents_load_exactly_and_round_trip(case: tuple[dict[str, Any],
     assert Topology.from_dict(msgpack.unpackb(msgpack.packb(t.to_dict()))) == t
     # Loading against itself as the live topology changes nothing.
     assert load_topology(json.dumps(doc), live=t) == t
+
+
+@pytest.mark.parametrize("text", ["[" * 3000, "a:\n" + "".join(" " * i + "- \n" for i in range(1, 2000)),
+                                  "{a: " * 3000])
+def test_a_document_nested_past_the_parsers_stack_is_a_topology_error(text: str) -> None:
+    # Found by tests/tier1/test_fuzz_meta.py: PyYAML's RecursionError became a 500 on PUT /v1/topology.
+    with pytest.raises(TopologyError, match="invalid YAML"):
+        load_topology(text)

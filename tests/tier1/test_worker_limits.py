@@ -18,6 +18,7 @@ from shardgrid.wire import pack_frames, packb, unpack_frame
 from worker.group import GroupOverloaded
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
+from worker.transport import STREAM_PATH
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
@@ -43,6 +44,9 @@ class _Shell:
     result: Any = None
     full: bool = False  # refuse every call as a group holding its limit does
     sizes: list[int] = field(default_factory=list)  # the `size` each call was admitted with
+
+    def deliver(self, event: Any) -> None:
+        self.queued.append(("deliver", event))
 
     def _admit(self, size: int) -> None:
         if self.full:
@@ -270,3 +274,37 @@ async def test_a_call_stream_whose_answers_are_not_read_stops_taking_calls(monke
         assert out.held == 0 and not out.items
     finally:
         out.close()
+
+
+BEGIN = ["Begin", {"src": "w2", "dst": "w1", "group": 0, "term": 3}]
+
+
+@pytest.mark.parametrize("body", [b"\x00\x00", b"\x92\x01", b"\x81\x90\x01", packb({"not": "a list"}),
+                                  packb([["Begin", {"src": "w2", "dst": None, "group": 0, "term": 3}]]),
+                                  packb([BEGIN, ["Begin", []]])], ids=range(6))
+async def test_malformed_replication_messages_are_a_400_and_none_is_delivered(worker: Worker, body: bytes) -> None:
+    # Found by tests/tier1/test_fuzz_worker.py: garbage was a 500, and a
+    # message with a field of the wrong type (dst None) reached the group.
+    resp = await worker.client.post("/v1/raft", data=body, headers=MSGPACK)
+    assert resp.status == 400, await resp.text()
+    assert (await resp.json())["error"]["code"] == "bad_request"
+    assert worker.shell.queued == []
+    resp = await worker.client.post("/v1/raft", data=packb([BEGIN]), headers=MSGPACK)
+    assert resp.status == 204 and [k for k, _ in worker.shell.queued] == ["deliver"]
+
+
+async def test_a_msgpack_map_keyed_by_an_array_is_a_400(worker: Worker) -> None:
+    # msgpack raises TypeError (unhashable key) for it: it was a 500.
+    for route in ("write", "write_batch", "read"):
+        resp = await worker.client.post(f"/v1/groups/0/{route}", data=b"\x81\x90\x01", headers=MSGPACK)
+        assert resp.status == 400, (route, await resp.text())
+    assert worker.shell.queued == []
+
+
+async def test_an_unknown_call_nested_past_the_recursion_limit_is_a_400(worker: Worker) -> None:
+    # Its name went into the error message through repr(): RecursionError, a 500.
+    deep = msgpack.unpackb(b"\x91" * 1000 + b"\x90")
+    answers = await _calls(worker, [[1, deep, 0, {"op": OP}], [2, "write", deep, {"op": OP}],
+                                    [3, "write", "0", {"op": OP}]], 3)
+    assert {cid: status for cid, (status, _) in answers.items()} == {1: 400, 2: 400, 3: 400}, answers
+    assert worker.shell.queued == []

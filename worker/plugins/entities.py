@@ -91,6 +91,7 @@ import orjson
 import xxhash
 
 from shardgrid.ids import id_problem
+from shardgrid.wire import short_repr
 from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter, Unappliable
 
 FORMAT = "shardgrid.entities"
@@ -184,9 +185,9 @@ def _tname(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    """repr for an error message: a client's 1 MB string must not come back in it."""
-    r = repr(value)
-    return r if len(r) <= 40 else r[:37] + "..."
+    """repr for an error message: a client's 1 MB string must not come back in it,
+    nor a value nested deep enough to make repr() raise RecursionError."""
+    return short_repr(value)
 
 
 def _check_shape(obj: Any, table: Mapping[str, tuple[str, ...]], other: Mapping[str, tuple[str, ...]],
