@@ -89,10 +89,14 @@ def _entry_problem(raw: Any, seq: int, term: int, msg_term: int) -> str | None:
     if kind == "ops":
         if type(data) is not list or type(rid) is not list or not 0 < len(data) <= MAX_OPS or len(rid) != len(data):
             return "an ops entry needs equal-length lists of ops and rids"
+        if not all(type(op) is dict for op in data):
+            return "an ops entry's ops must be maps"  # what the workers' routes admit; a plugin applies only those
         for r in rid:
             if r is not None and (type(r) is not str or not 0 < len(r) <= MAX_ID_CHARS):
                 return "an ops entry's rids must be None or short strings"
     elif kind == "op":
+        if type(data) is not dict:
+            return "an op entry's op must be a map"
         if rid is not None and not _is_id(rid):
             return "an op's rid must be None or a short string"
     elif kind == "config":
@@ -221,6 +225,6 @@ def decode_message(raw: Any) -> m.Message:
     known = _FIELDS[name]
     if len(body) > len(known) or any(k not in known for k in body):
         body = {k: v for k, v in body.items() if k in known}  # a newer peer's extra fields
-    if "entries" in body:
-        body["entries"] = tuple(decode_entry(e) for e in body["entries"])
+    if "entries" in body:  # a new dict: the caller's value stays as it was
+        body = {**body, "entries": tuple(decode_entry(e) for e in body["entries"])}
     return cls(**body)

@@ -531,7 +531,7 @@ async def test_without_an_admin_token_a_silent_worker_may_move_a_live_one_may_no
 async def _leading(api: TestClient) -> None:
     """Heartbeats go to the leader once its controller loop has started (its soft state exists)."""
     server = api.server.app[SERVER_KEY]
-    await _until(lambda: server.soft is not None, "the controller to start on the leader")
+    await until(lambda: server.soft is not None, "the controller to start on the leader")
 
 
 async def test_a_heartbeat_nested_past_what_orjson_writes_is_400_and_cluster_keeps_serving(api: TestClient) -> None:
