@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.routes import Gateway, GatewayConfig
 from shardgrid.gctune import GATEWAY_YOUNG, start_gc_policy
 from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner
+from shardgrid.serving import app_runner, cap_connections
 
 __all__ = ["GatewayConfig", "main", "serve"]
 
@@ -39,6 +39,7 @@ async def serve(cfg: GatewayConfig) -> None:
     # aiohttp's own access log is off: ours (--access-log) carries shard, leader and attempts.
     runner = app_runner(gateway.app(), shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
+    cap_connections(runner.server, log)
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True, backlog=4096, ssl_context=cfg.tls.server).start()
     gc_policy = start_gc_policy(log, young=GATEWAY_YOUNG)

@@ -14,7 +14,7 @@ from meta.server import MetaServer, MetaServerConfig
 from shardgrid.peerauth import ClusterKeys
 from shardgrid.gctune import start_gc_policy
 from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner
+from shardgrid.serving import app_runner, cap_connections
 from shardgrid.tls import NO_TLS, Tls
 
 
@@ -59,6 +59,7 @@ async def serve(cfg: MetaProcessConfig) -> None:
     # Long-poll watches would hold a graceful shutdown for their whole timeout.
     runner = app_runner(server.app(), shutdown_timeout=1.0)
     await runner.setup()
+    cap_connections(runner.server, log)
     host, port = _split_hostport(cfg.me.http)
     await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=cfg.tls.server).start()
     gc_policy = start_gc_policy(log)

@@ -5,15 +5,19 @@ aiohttp's defaults hold an idle connection for an hour (keepalive_timeout
 here, they are the same on every listener and written down once
 (runbook/deploy.md, "Limits on what a worker accepts").
 
-What aiohttp (3.14) cannot do, and so is not here: a cap on open
-connections (it has no such option; the listen backlog only bounds the
-accept queue), and a timeout on reading a request's body (a slow body
+aiohttp (3.14) has no cap on open connections (the listen backlog only
+bounds the accept queue): `cap_connections` adds one. What it cannot do,
+and so is not here: a timeout on reading a request's body (a slow body
 holds its handler until the body ends or reaches the app's
 client_max_size).
 """
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 # An idle keep-alive connection is closed after this, and the timer starts
 # when a connection opens or an answer is sent: a client that connects and
@@ -26,6 +30,36 @@ KEEPALIVE_S = 75.0
 MAX_LINE_BYTES = 8190
 MAX_FIELD_BYTES = 8190
 MAX_HEADERS = 128
+# Open connections one listener holds at most; one more is closed as it is
+# accepted. Above what a cluster uses (a gateway pools 4096 connections to
+# all workers together, a worker holds one stream per peer and gateway), far
+# below the file descriptors of a default systemd unit (deploy.md: 65536).
+MAX_CONNECTIONS = 16_384
+_REFUSED_LOG_EVERY_S = 10.0
+
+
+def cap_connections(server: web.Server | None, log: Any, limit: int = MAX_CONNECTIONS) -> None:
+    """Close each connection accepted beyond `limit` open ones (a flood of idle
+    connections must not exhaust file descriptors or memory)."""
+    assert server is not None, "call after runner.setup()"
+    accept = server.connection_made
+    refused = 0
+    logged_at = -_REFUSED_LOG_EVERY_S
+
+    def connection_made(handler: RequestHandler, transport: Any) -> None:
+        nonlocal refused, logged_at
+        if len(server._connections) >= limit:  # noqa: SLF001 - `connections` copies the whole list
+            refused += 1
+            now = time.monotonic()
+            if now - logged_at >= _REFUSED_LOG_EVERY_S:
+                logged_at = now
+                log.warning("connection_limit_reached", limit=limit, refused_total=refused,
+                            peer=transport.get_extra_info("peername"))
+            transport.abort()
+            return
+        accept(handler, transport)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 def app_runner(app: web.Application, shutdown_timeout: float, keepalive_s: float = KEEPALIVE_S) -> web.AppRunner:

@@ -31,7 +31,7 @@ from shardgrid.identity import SoftwareIdentity
 from shardgrid.peerauth import ClusterKeys, Principal
 from shardgrid.peerauth_http import PeerSigner
 from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner
+from shardgrid.serving import app_runner, cap_connections
 from shardgrid.tls import NO_TLS, Tls
 from topology.model import Settings
 from worker import replica_msgs as m
@@ -606,6 +606,7 @@ async def serve(cfg: WorkerConfig) -> None:
     node = WorkerNode(cfg, log)
     runner = app_runner(WorkerApi(node).app(), shutdown_timeout=2.0)
     await runner.setup()
+    cap_connections(runner.server, log)
     host, port = _split(cfg.listen)
     await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=cfg.tls.server).start()
     node.start_background()

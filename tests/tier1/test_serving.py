@@ -82,3 +82,45 @@ async def test_a_header_over_the_limit_is_refused_before_any_handler(port: tuple
         assert port[1] == []
     finally:
         writer.close()
+
+
+async def test_connections_beyond_the_cap_are_closed_and_the_others_served() -> None:
+    import structlog
+
+    from shardgrid.serving import cap_connections
+    from tests.support.waiting import until
+
+    async def hi(_request: web.Request) -> web.Response:
+        return web.Response(text="hi")
+
+    app = web.Application()
+    app.router.add_get("/", hi)
+    runner = app_runner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    cap_connections(runner.server, structlog.get_logger(), limit=2)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    opened = []
+    try:
+        for _ in range(2):  # held open, idle
+            opened.append(await asyncio.open_connection("127.0.0.1", port))
+        await until(lambda: len(runner.server.connections) == 2, "the server to hold both")  # type: ignore[union-attr]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await _closed_within(reader, 5.0) < 5.0 and b"" == await reader.read()  # closed unanswered
+        writer.close()
+        r0, w0 = opened[0]
+        w0.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r0.readuntil(b"hi"), 5)).startswith(b"HTTP/1.1 200")
+        w0.close()
+        opened.pop(0)
+        await until(lambda: len(runner.server.connections) < 2, "the server to see the close")  # type: ignore[union-attr]
+        r, w = await asyncio.open_connection("127.0.0.1", port)  # room again
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"hi"), 5)).startswith(b"HTTP/1.1 200")
+        w.close()
+    finally:
+        for _, w in opened:
+            w.close()
+        await runner.cleanup()
