@@ -58,8 +58,9 @@ Invariants (checked incrementally)
   were performed); a replica never applies anything that disagrees with it
   (state machine safety), applies in order, and never truncates an entry of
   it;
-* leader completeness: a leader's log holds all of C when its Begin round
-  adopts a log (it appends its term start) and when it reports ready;
+* leader completeness: a leader's log holds all of C committed in earlier
+  terms when its Begin round adopts a log (it appends its term start) and
+  when it reports ready;
 * commit survival, i.e. what "committed" means: whenever C grows, every
   majority of meta's voters, if it answered a Begin round now, would make
   the leader adopt a log holding all of C.  This flags an unsafe commit
@@ -455,6 +456,10 @@ class Sim:
         self.C_rid: list[tuple[str, ...]] = [()]
         self.answered: set[tuple[str, Any]] = set()  # (node, req) of every write reply
         self.C_term: list[int] = [0]
+        # An upper bound on the term each committed entry was committed in: the
+        # term of the replica that applied it first (it learned the commit from
+        # a leader of that term or an earlier one).
+        self.C_by: list[int] = [0]
         self.rid_seq: dict[str, int] = {}
         self.known: dict[tuple[int, int], int] = {}
         self.leader_of: dict[int, str] = {}
@@ -739,7 +744,7 @@ class Sim:
                     # Our own term start: the log adopted by the Begin round
                     # must already hold everything committed (leader
                     # completeness, checked before the leader is even ready).
-                    top = len(self.C) - 1
+                    top = self.committed_before(e.term)
                     if top >= len(h) or h[top] != self.C[top]:
                         self.fail(f"leader completeness: {node.name} adopted a log without committed seq {top}")
             x = entry_hash(h[-1], e)
@@ -787,6 +792,7 @@ class Sim:
             else:
                 C.append(h[s])
                 self.C_term.append(e.term)
+                self.C_by.append(node.replica.term if node.replica is not None else e.term)
                 rids = entry_rids(e)
                 self.C_rid.append(rids)
                 if e.kind == "ops":
@@ -837,8 +843,21 @@ class Sim:
                         f"answered by {group}: {best} would be adopted at {pos[best]} without it"
                     )
 
-    def on_ready(self, node: Node, r: Replica, term: int) -> None:
+    def committed_before(self, term: int) -> int:
+        """The last seq of C surely committed in a term before `term`: what
+        Raft's leader completeness says a leader of `term` holds. (A leader
+        of a term meta has superseded may become ready after a later term
+        committed more: a replica never adopts a term from a message, only
+        from meta's view, so a deposed leader may finish its Begin round on
+        late answers. It can commit and read nothing: the replicas of the
+        later term refuse its term.)"""
         top = len(self.C) - 1
+        while top > 0 and self.C_by[top] >= term:
+            top -= 1
+        return top
+
+    def on_ready(self, node: Node, r: Replica, term: int) -> None:
+        top = self.committed_before(term)
         if top >= len(node.h) or node.h[top] != self.C[top]:
             self.fail(f"leader completeness: {node.name} ready in term {term} without committed seq {top}")
         self.log(f"READY {node.name} term {term}")
