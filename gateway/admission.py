@@ -18,6 +18,7 @@ from shardgrid.identity import SoftwareIdentity
 from shardgrid.wire import ApiError
 
 ADMISSION_PERIOD_S = 10.0
+REFUSALS = ("unknown_credentials", "version_mismatch", "revoked")
 RETRY_S = 1.0
 
 
@@ -42,7 +43,8 @@ async def keep_admitted(meta: MetaClient, gateway_id: str, addr: str, identity: 
         try:
             await meta.call("POST", "/v1/gateways/register", json=body, deadline_s=5.0)
         except MetaError as exc:
-            if exc.status in (401, 403):
+            # A session meta forgot (a restart, an eviction) is not a refusal: only these are.
+            if exc.status in (401, 403) and exc.body.get("reason") in REFUSALS:
                 if state.state != "refused":
                     log.error("gateway_admission_refused", reason=exc.body.get("reason", exc.code),
                               message=exc.message)

@@ -533,7 +533,8 @@ def decide(groups: Sequence[GroupRecord], soft: SoftState, now_ms: int, lease_ms
             isolated = isolated_leader(group, soft, now_ms, lease_ms)
             if isolated is None:
                 continue
-            among = isolated.among if allowed is None or isolated.among is None else isolated.among & allowed
+            among = allowed if isolated.among is None else isolated.among if allowed is None \
+                else isolated.among & allowed
             candidate = failover_candidate(group, soft, now_ms, lease_ms, heard_only=True, among=among)
         elif not judge_silence:
             continue

@@ -24,8 +24,10 @@ class MetaProcessConfig:
     peers: list[RaftPeer]
     data_dir: Path
     # Never in a repr: a config that reaches a log line or a traceback must not carry them.
-    password: str = field(repr=False)
+    password: str = field(repr=False)  # the cluster secret (every line verifies peers)
     admin_token: str | None = field(repr=False)
+    # PySyncObj's password (None: the cluster secret's first line, with a warning).
+    raft_password: str | None = field(default=None, repr=False)
     tls: Tls = field(default=NO_TLS)
 
 
@@ -51,8 +53,12 @@ async def serve(cfg: MetaProcessConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # The first line of the secret is PySyncObj's password; every line verifies peers (rotation).
-    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, cfg.password.splitlines()[0].strip(), loop)
+    if cfg.raft_password is None:
+        log.warning("raft_password_shared", message="PySyncObj's password is the cluster secret's first line, which "
+                    "workers and gateways hold too: any of them that reaches the raft port can run code on meta; "
+                    "give meta nodes --raft-secret-file")
+    raft_password = cfg.raft_password or cfg.password.splitlines()[0].strip()
+    raft = MetaRaft(cfg.me, cfg.peers, cfg.data_dir, raft_password, loop)
     server = MetaServer(raft, MetaServerConfig(admin_token=cfg.admin_token, client_tls=cfg.tls.client,
                                                node_id=cfg.me.id, cluster_keys=ClusterKeys.from_text(cfg.password)),
                         log)

@@ -397,8 +397,9 @@ class MetaServer:
             raise ApiError("bad_request", "\"to\" must be a worker id")
         if not g.ready or g.leader is None:
             raise ApiError("unavailable", f"group {gid} has no ready leader to hand over from", shard=gid)
+        gone = frozenset(w.id for w in self.raft.sm.workers.values() if revoked(w))
         if target is None:
-            target = best_transfer_target(g, soft, now, lease)
+            target = best_transfer_target(g, soft, now, lease, exclude=gone)
             if target is None:
                 raise ApiError("unavailable", f"group {gid} has no live voter to take over", shard=gid)
         if target == g.leader:
@@ -407,6 +408,8 @@ class MetaServer:
         if target not in g.voters:
             raise ApiError("bad_request", f"{target} is not a voter of group {gid} (voters: {', '.join(g.voters)})",
                            shard=gid)
+        if target in gone:
+            raise ApiError("bad_request", f"{target} was revoked: it leads nothing", shard=gid)
         if not heard_live(soft, target, now, lease) or report_of(soft, target, gid) is None:
             raise ApiError("bad_request", f"{target} is not live (no recent heartbeat for group {gid})", shard=gid)
         lead_rep, tgt_rep = report_of(soft, g.leader, gid), report_of(soft, target, gid)

@@ -266,6 +266,9 @@ class MetaStateMachine:
         if cmd["leader"] not in g.voters:
             return fail("bad_request", f"{cmd['leader']!r} is not a voter of group {g.id}",
                         voters=list(g.voters))
+        if revoked(self.workers.get(cmd["leader"])):
+            # Whatever path proposed it (a failover, a transfer): its peers refuse it.
+            return fail("bad_request", f"{cmd['leader']} was revoked: it leads nothing")
         g.term += 1
         g.leader = cmd["leader"]
         return ok(group=g.id, term=g.term, leader=g.leader)

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 _SECRET_HELP = "cluster secret, the meta nodes' file (else env SHARDGRID_SECRET); one secret per line during a rotation"
 
 
+# A secret is a key to an HMAC: short ones fall to an offline guess from one
+# captured hello. `openssl rand -hex 32` gives 64 characters.
+MIN_SECRET_CHARS = 16
+
+
 def _cluster_keys(args: argparse.Namespace, who: str) -> "ClusterKeys | None":
     """The cluster secret a member proves itself with; None (and a message) when there is none."""
     from shardgrid.peerauth import ClusterKeys
@@ -25,17 +30,27 @@ def _cluster_keys(args: argparse.Namespace, who: str) -> "ClusterKeys | None":
                          "the same one the meta nodes have): every request between cluster members is "
                          "authenticated with it\n")
         return None
-    return ClusterKeys.from_text(text)
+    keys = ClusterKeys.from_text(text)
+    if keys.shortest < MIN_SECRET_CHARS:
+        sys.stderr.write(f"shardgrid {who}: a cluster secret must have at least {MIN_SECRET_CHARS} characters "
+                         "(make one with `openssl rand -hex 32`)\n")
+        return None
+    return keys
 
 
 def _cmd_meta(args: argparse.Namespace) -> int:
     from meta.process import MetaProcessConfig, main as meta_main, parse_peers
     from meta.raft import RaftPeer
 
-    password = read_secret(args.secret_file, "SHARDGRID_SECRET")
-    if password is None:
-        sys.stderr.write("shardgrid meta: a cluster secret is required (--secret-file or SHARDGRID_SECRET): "
-                         "PySyncObj's transport is pickle and must be encrypted\n")
+    keys = _cluster_keys(args, "meta")
+    if keys is None:
+        return 2
+    # PySyncObj's password: its wire format is pickle, so whoever holds the
+    # password and reaches the raft port runs code on meta. Workers and
+    # gateways hold the cluster secret; the raft password should be meta's alone.
+    raft_password = read_secret(args.raft_secret_file, "SHARDGRID_RAFT_SECRET")
+    if raft_password is not None and len(raft_password) < MIN_SECRET_CHARS:
+        sys.stderr.write(f"shardgrid meta: the raft secret must have at least {MIN_SECRET_CHARS} characters\n")
         return 2
     try:
         peers = parse_peers(args.peers)
@@ -46,7 +61,8 @@ def _cmd_meta(args: argparse.Namespace) -> int:
         me=RaftPeer(args.id, args.raft, args.http),
         peers=peers,
         data_dir=Path(args.data),
-        password=password,
+        password=read_secret(args.secret_file, "SHARDGRID_SECRET") or "",
+        raft_password=raft_password,
         admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
         tls=tls_from_args(args),
     )
@@ -85,11 +101,23 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     keys = _cluster_keys(args, "gateway")
     if keys is None:
         return 2
+    import socket
+
     from shardgrid.identity import current
+    from shardgrid.peerauth import PeerAuthError, parse_principal
+
+    # Not the listen address: `0.0.0.0:8080` on two hosts would be one name.
+    gateway_id = args.id or f"{socket.gethostname()}-{args.http.rpartition(':')[2]}"
+    try:
+        parse_principal(f"gateway:{gateway_id}")
+    except PeerAuthError:
+        sys.stderr.write(f"shardgrid gateway: --id {gateway_id!r}: use letters, digits and - _ . : "
+                         "(at most 128 characters)\n")
+        return 2
 
     cfg = GatewayConfig(listen=args.http, meta=meta,
                         admin_token=read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN"),
-                        access_log=args.access_log, id=args.id or args.http, cluster_keys=keys,
+                        access_log=args.access_log, id=gateway_id, cluster_keys=keys,
                         identity=current(), tls=tls_from_args(args))
     return gateway_main(cfg)
 
@@ -127,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--peers", default="", help="the other nodes: ID/RAFT/HTTP,ID/RAFT/HTTP")
     m.add_argument("--data", required=True, help="directory for the Raft journal and dump")
     m.add_argument("--secret-file", default=None, help=_SECRET_HELP)
+    m.add_argument("--raft-secret-file", default=None,
+                   help="PySyncObj's password, the meta nodes' alone (else env SHARDGRID_RAFT_SECRET; without it, "
+                        "the first line of the cluster secret, which workers and gateways hold too)")
     m.add_argument("--admin-token-file", default=None, help="admin token (else env SHARDGRID_ADMIN_TOKEN)")
     add_tls_arguments(m)
     m.set_defaults(func=_cmd_meta)
@@ -151,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
     g.add_argument("--http", required=True, help="host:port to listen on")
     g.add_argument("--meta", required=True, help="meta HTTP addresses, comma-separated")
-    g.add_argument("--id", default=None, help="its name in the cluster (default: --http)")
+    g.add_argument("--id", default=None, help="its name in the cluster (default: HOSTNAME-PORT)")
     g.add_argument("--secret-file", default=None, help=_SECRET_HELP)
     g.add_argument("--admin-token-file", default=None,
                    help="admin token for /cluster/* (else env SHARDGRID_ADMIN_TOKEN; none = not checked here)")

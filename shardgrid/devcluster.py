@@ -256,12 +256,14 @@ class LocalCluster:
         self.check_ports_free()
         self.data.mkdir(parents=True, exist_ok=True)
         secret = ensure_secret(self.data / "cluster.secret")
+        raft_secret = ensure_secret(self.data / "raft.secret")  # meta's alone: workers and gateways never see it
         topo = self.topo
         for node in topo.meta:
             peers = ",".join(f"{p.id}/{p.raft}/{p.http}" for p in topo.meta if p.id != node.id)
             self._child(node.id, ["meta", "--id", node.id, "--raft", node.raft, "--http", node.http,
                                   "--peers", peers, "--data", str(self.data / "meta" / node.id),
-                                  "--secret-file", str(secret), *self.tls_args()])
+                                  "--secret-file", str(secret), "--raft-secret-file", str(raft_secret),
+                                  *self.tls_args()])
         self.say("waiting for the meta nodes to elect a leader ...")
         health = asyncio.run(wait_meta_ready(self.meta_addrs, timeout_s, self.client_tls))
         self.say(f"meta leader: {health['leader']}")

@@ -100,6 +100,10 @@ class ClusterKeys:
     def count(self) -> int:
         return len(self._secrets)
 
+    @property
+    def shortest(self) -> int:
+        return min(len(s) for s in self._secrets)
+
     def node_key(self, who: Principal, index: int = 0) -> bytes:
         return _mac(self._secrets[index], b"shardgrid-node-key/v1", str(who).encode())
 
@@ -191,8 +195,9 @@ def auth_header(sid: str, seq: int, mac: str) -> str:
 
 def parse_auth(header: str) -> tuple[str, int, str]:
     parts = header.split(".")
-    if (len(parts) != 3 or not _is_hex(parts[0], 32) or not parts[1].isdigit() or len(parts[1]) > 19
-            or not _is_hex(parts[2], 2 * MAC_BYTES)):
+    # isascii: str.isdigit() is true for "²", which int() refuses.
+    if (len(parts) != 3 or not _is_hex(parts[0], 32) or not (parts[1].isascii() and parts[1].isdigit())
+            or len(parts[1]) > 19 or not _is_hex(parts[2], 2 * MAC_BYTES)):
         raise PeerAuthError("malformed", f"{AUTH_HEADER} must be `SID.SEQ.MAC`")
     return parts[0], int(parts[1]), parts[2]
 
@@ -204,6 +209,10 @@ class _Session:
     used_s: float
     top: int = 0      # the highest sequence number seen
     seen: int = 0     # bit i: top - i was seen (i < REPLAY_WINDOW)
+    # A request has proven the client holds the session key. Until then the
+    # session may be a replayed hello (an eavesdropper's copy): those are
+    # the ones evicted first, so replayed hellos cannot push out live sessions.
+    confirmed: bool = False
 
     def accept(self, seq: int) -> bool:
         """Record `seq`; False when it was seen before or is older than the window."""
@@ -251,14 +260,37 @@ class SessionTable:
         raise PeerAuthError("unknown_credentials", "the hello is not signed with this cluster's secret")
 
     def _evict(self, principal: Principal) -> None:
+        """Make room for one more session of `principal`: idle ones go, then the
+        oldest unconfirmed ones, and only then the oldest confirmed ones."""
         now = self.now()
         for sid in [s for s, sess in self._sessions.items() if now - sess.used_s > SESSION_IDLE_S]:
             del self._sessions[sid]
         mine = [s for s, sess in self._sessions.items() if sess.principal == principal]
-        for sid in mine[:max(0, len(mine) - MAX_SESSIONS_PER_PRINCIPAL + 1)]:
+        self._drop_oldest(mine, len(mine) - MAX_SESSIONS_PER_PRINCIPAL + 1)
+        self._drop_oldest(list(self._sessions), len(self._sessions) - MAX_SESSIONS + 1)
+
+    def _drop_oldest(self, sids: list[str], n: int) -> None:
+        if n <= 0:
+            return
+        # Oldest first (the table is in least-recently-used order), unconfirmed before confirmed.
+        for sid in sorted(sids, key=lambda s: self._sessions[s].confirmed)[:n]:
             del self._sessions[sid]
-        while len(self._sessions) >= MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+
+    def precheck(self, header: str | None) -> Principal:
+        """What can be checked before the body is read: the header's shape and
+        a live session of a principal not revoked (a stranger's body is never
+        read, nor hashed)."""
+        if header is None:
+            raise PeerAuthError("missing", f"intra-cluster requests need the {AUTH_HEADER} header")
+        sid, _, _ = parse_auth(header)
+        sess = self._sessions.get(sid)
+        if sess is None or self.now() - sess.used_s > SESSION_IDLE_S:
+            self._sessions.pop(sid, None)
+            raise PeerAuthError("session_unknown", "no such session here (say hello again)")
+        if self.revoked(sess.principal):
+            del self._sessions[sid]
+            raise PeerAuthError("revoked", f"{sess.principal} was revoked")
+        return sess.principal
 
     def verify(self, header: str | None, method: str, path_qs: str, body: bytes) -> Principal:
         """Who sent this request; raise PeerAuthError when it proves nothing."""
@@ -279,6 +311,7 @@ class SessionTable:
         if not sess.accept(seq):
             raise PeerAuthError("replayed", f"sequence number {seq} of this session was seen before or is too old")
         sess.used_s = now
+        sess.confirmed = True
         self._sessions.move_to_end(sid)
         return sess.principal
 

@@ -89,9 +89,11 @@ class PeerGuard:
         roles = self.policy.get(route.canonical) if route is not None else None
         if roles is None:
             return await handler(request)
-        body = await request.read() if request.body_exists else b""
+        header = request.headers.get(AUTH_HEADER)
         try:
-            peer = self.table.verify(request.headers.get(AUTH_HEADER), request.method, request.raw_path, body)
+            self.table.precheck(header)
+            body = await request.read() if request.body_exists else b""
+            peer = self.table.verify(header, request.method, request.raw_path, body)
         except PeerAuthError as err:
             return self._refuse(request, err.reason, err.message)
         if peer.role not in roles:

@@ -222,8 +222,9 @@ class WorkerApi:
     def peer_policy(self) -> dict[str, frozenset[str]]:
         return {"/v1/raft": _WORKERS, STREAM_PATH: _WORKERS, CALLS_PATH: ANY_ROLE,
                 "/v1/groups/{gid}/write": ANY_ROLE, "/v1/groups/{gid}/write_batch": ANY_ROLE,
-                "/v1/groups/{gid}/read": ANY_ROLE, "/v1/groups/{gid}/transfer": ANY_ROLE,
-                "/v1/groups/{gid}/members": ANY_ROLE, "/v1/assignments": _META,
+                "/v1/groups/{gid}/read": ANY_ROLE,
+                # Leadership and membership move only by meta's decision (its operators, repair, transfer).
+                "/v1/groups/{gid}/transfer": _META, "/v1/groups/{gid}/members": _META, "/v1/assignments": _META,
                 "/v1/groups/{gid}/snapshot": _WORKERS, "/v1/groups/{gid}/snapshot/{seq}": _WORKERS}
 
     def app(self) -> web.Application:

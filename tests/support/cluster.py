@@ -197,9 +197,12 @@ class Cluster:
 
     def _meta_child(self, m: MetaSpec) -> Child:
         peers = ",".join(f"{p.id}/{p.raft}/{p.http}" for p in self.meta if p.id != m.id)
+        raft_secret = self.root / "raft.secret"
+        if not raft_secret.exists():
+            write_secret(raft_secret, "tier3-raft-secret-" + self.root.name)
         argv = [sys.executable, "-m", "shardgrid.cli", "meta", "--id", m.id, "--raft", m.raft, "--http", m.http,
                 "--peers", peers, "--data", str(self.root / "meta" / m.id),
-                "--secret-file", str(self.secret_path)]
+                "--secret-file", str(self.secret_path), "--raft-secret-file", str(raft_secret)]
         return Child(m.id, argv, self.root / "logs" / f"{m.id}.log")
 
     def start_meta(self, ids: list[str] | None = None) -> None:

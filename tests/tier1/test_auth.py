@@ -82,3 +82,24 @@ def test_dev_creates_its_secret_0600_and_tightens_one_an_older_version_left(tmp_
     fresh.chmod(0o644)
     assert ensure_secret(fresh) == fresh and stat.S_IMODE(fresh.stat().st_mode) == 0o600
     assert fresh.read_text() == value  # kept: meta nodes already run with it
+
+
+@pytest.mark.parametrize("who", ["meta", "worker", "gateway"])
+def test_a_short_cluster_secret_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], who: str) -> None:
+    path = tmp_path / "cluster.secret"
+    write_secret(path, "short\nand-a-long-enough-second-line")
+    args = {"meta": ["meta", "--id", "m1", "--raft", "127.0.0.1:1", "--http", "127.0.0.1:2", "--data", str(tmp_path)],
+            "worker": ["worker", "--id", "w1", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--data",
+                       str(tmp_path)],
+            "gateway": ["gateway", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2"]}[who]
+    assert cli_main([*args, "--secret-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "at least 16 characters" in err and "short" not in err.replace("shardgrid", "")
+
+
+def test_a_gateway_id_that_is_no_principal_name_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cluster.secret"
+    write_secret(path, "a-cluster-secret-of-some-length")
+    assert cli_main(["gateway", "--http", "[::]:8080", "--meta", "127.0.0.1:2", "--secret-file", str(path),
+                     "--id", "g 1"]) == 2
+    assert "--id 'g 1'" in capsys.readouterr().err

@@ -245,3 +245,89 @@ def test_sessions_are_bounded_per_principal() -> None:
     table.welcome(make_hello(KEYS, W2))
     assert len(table) == MAX_SESSIONS_PER_PRINCIPAL + 1
     assert table.drop(W1) == MAX_SESSIONS_PER_PRINCIPAL and len(table) == 1
+
+
+async def test_a_server_without_the_secret_is_not_trusted() -> None:
+    # The server must prove it holds the secret too: a client never signs for an impostor.
+    table = SessionTable(ClusterKeys(["an-impostor-secret"]), META, Clock())
+    impostor = SessionTable(KEYS, META, Clock())
+    # The impostor answers hellos with a welcome it signed with the wrong secret.
+    table.welcome = lambda hello: _forged_welcome(impostor, hello)  # type: ignore[method-assign]
+    srv = TestServer(make_app(table)[0])
+    await srv.start_server()
+    try:
+        async with client() as s:
+            with pytest.raises(aiohttp.ClientResponseError) as err:
+                await s.post(srv.make_url("/v1/raft"), data=b"x")
+        assert "does not hold this cluster's secret" in err.value.message
+        assert srv.app[STORED] == []
+    finally:
+        await srv.close()
+
+
+def _forged_welcome(real: SessionTable, hello: Any) -> Any:
+    w = real.welcome(hello)
+    return type(w)(w.sid, w.nonce, w.server, "0" * 64)
+
+
+async def test_the_method_is_bound(server: Any) -> None:
+    srv, *_ = server
+    captured: dict[str, str] = {}
+
+    async def spy(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
+        resp = await handler(req)
+        captured.update(req.headers)
+        return resp
+
+    async with aiohttp.ClientSession(middlewares=(spy, PeerSigner(KEYS, W1))) as s:
+        async with s.post(srv.make_url("/v1/write"), data=b"") as r:
+            assert r.status == 200
+    async with aiohttp.ClientSession() as outsider:
+        # The same signature on another method of a path that takes both.
+        async with outsider.get(srv.make_url("/v1/ws"), headers={AUTH_HEADER: captured[AUTH_HEADER]}) as r:
+            assert r.status == 401 and (await r.json())["error"]["reason"] in ("bad_mac", "replayed")
+
+
+async def test_a_forgotten_session_says_hello_again(server: Any) -> None:
+    srv, table, clock, _ = server
+    hellos: list[str] = []
+    welcome = table.welcome
+    table.welcome = lambda h: (hellos.append(str(h.principal)), welcome(h))[1]  # type: ignore[method-assign]
+    async with client() as s:
+        async with s.post(srv.make_url("/v1/raft"), data=b"a") as r:
+            assert r.status == 200
+        clock.t += 3600
+        async with s.post(srv.make_url("/v1/raft"), data=b"b") as r:
+            assert r.status == 200
+    assert hellos == ["worker:w1", "worker:w1"]
+
+
+def test_replayed_hellos_never_push_out_a_confirmed_session() -> None:
+    from shardgrid.peerauth import MAX_SESSIONS, MAX_SESSIONS_PER_PRINCIPAL, request_mac, body_digest, auth_header
+
+    clock = Clock()
+    table = SessionTable(KEYS, META, clock)
+    hello = make_hello(KEYS, W1)
+    welcome = table.welcome(hello)
+    from shardgrid.peerauth import open_client_session
+    key = open_client_session(KEYS, hello, welcome)
+    header = auth_header(welcome.sid, 1, request_mac(key, "POST", "/x", 1, body_digest(b"")))
+    assert table.verify(header, "POST", "/x", b"") == W1  # confirmed
+    for _ in range(3 * MAX_SESSIONS_PER_PRINCIPAL):  # an eavesdropper replays the captured hello
+        clock.t += 1
+        table.welcome(hello)
+    header = auth_header(welcome.sid, 2, request_mac(key, "POST", "/x", 2, body_digest(b"")))
+    assert table.verify(header, "POST", "/x", b"") == W1
+    for i in range(MAX_SESSIONS + 10):  # a flood of principals fills the whole table
+        table.welcome(make_hello(KEYS, Principal("gateway", f"g{i}")))
+    assert len(table) <= MAX_SESSIONS
+    header = auth_header(welcome.sid, 3, request_mac(key, "POST", "/x", 3, body_digest(b"")))
+    assert table.verify(header, "POST", "/x", b"") == W1
+
+
+async def test_a_non_ascii_digit_sequence_is_malformed_not_a_500(server: Any) -> None:
+    srv, *_ = server
+    async with aiohttp.ClientSession() as outsider:
+        async with outsider.post(srv.make_url("/v1/raft"), data=b"x",
+                                 headers={AUTH_HEADER: "0" * 32 + ".\u00b2." + "0" * 32}) as r:
+            assert r.status == 401 and (await r.json())["error"]["reason"] == "malformed"

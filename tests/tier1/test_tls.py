@@ -170,7 +170,7 @@ def test_processes_exit_2_on_bad_tls_flags(pki: DevPki, tmp_path: Path, capsys: 
     loose.write_bytes(pki.key.read_bytes())
     loose.chmod(0o640)
     secret = tmp_path / "cluster.secret"
-    write_secret(secret, "s3cret")
+    write_secret(secret, "a-cluster-secret-of-some-length")
     gateway = ["gateway", "--http", "127.0.0.1:1", "--meta", "127.0.0.1:2", "--secret-file", str(secret)]
     assert cli.main([*gateway, "--tls-cert", str(pki.cert)]) == 2
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err

@@ -58,8 +58,8 @@ async def worker(tmp_path: Path) -> AsyncIterator[tuple[TestServer, _Shell, Work
 # (method, path, the roles that may call it)
 ROUTES = [("POST", "/v1/raft", {"worker"}), ("GET", STREAM_PATH, {"worker"}), ("GET", CALLS_PATH, None),
           ("POST", "/v1/groups/0/write", None), ("POST", "/v1/groups/0/write_batch", None),
-          ("POST", "/v1/groups/0/read", None), ("POST", "/v1/groups/0/transfer", None),
-          ("POST", "/v1/groups/0/members", None), ("POST", "/v1/assignments", {"meta"}),
+          ("POST", "/v1/groups/0/read", None), ("POST", "/v1/groups/0/transfer", {"meta"}),
+          ("POST", "/v1/groups/0/members", {"meta"}), ("POST", "/v1/assignments", {"meta"}),
           ("GET", "/v1/groups/0/snapshot", {"worker"}), ("GET", "/v1/groups/0/snapshot/5", {"worker"})]
 
 
