@@ -158,7 +158,9 @@ class MetaServer:
 
     def _note_refusal(self, who: str | None, addr: str | None, reason: str) -> None:
         if reason in ("unknown_credentials", "version_mismatch", "revoked"):
-            self.refusals.append({"principal": who, "addr": addr, "reason": reason,
+            # Without the secret, the principal is only what the request claimed.
+            self.refusals.append({"principal": who, "claimed": reason == "unknown_credentials", "addr": addr,
+                                  "reason": reason,
                                   "at_unix_ms": int(time.time() * 1000)})
 
     # -- app ------------------------------------------------------------------

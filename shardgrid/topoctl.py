@@ -264,7 +264,8 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append("ADMISSION REFUSED (most recent last)")
         for r in st["refusals"]:
             by = f" (meta {r['meta']})" if r.get("meta") else ""
-            lines.append(f"  {r.get('principal') or '?'} from {r.get('addr') or '?'}: {r['reason']}{by}")
+            claimed = " (claimed)" if r.get("claimed") else ""
+            lines.append(f"  {r.get('principal') or '?'}{claimed} from {r.get('addr') or '?'}: {r['reason']}{by}")
         lines.append("")
     drifted = drift(st.get("topology"), st)
     if drifted:

@@ -175,10 +175,11 @@ class WorkerNode:
     # -- hooks for groups --------------------------------------------------------
 
     def peer_addr(self, worker_id: str) -> str | None:
+        """Where a peer listens; None for one meta revoked (nothing more is sent to it)."""
         if self.view is None:
             return None
         w = self.view["workers"].get(worker_id)
-        return w["addr"] if w else None
+        return w["addr"] if w and w.get("admission", "admitted") != "revoked" else None
 
     def revoked(self, who: Principal) -> bool:
         """Has meta revoked this peer? (Its requests are refused from the view that says so.)"""

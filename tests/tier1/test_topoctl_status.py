@@ -117,13 +117,13 @@ def test_status_shows_admission_software_gateways_and_refusals() -> None:
           "gateways": [{"id": "g1", "addr": "a:8080", "admission": "admitted", "last_seen_ms_ago": 2000,
                         "version": "0.1.0", "code_digest": "0123456789abcdef"}],
           "refusals": [{"principal": "worker:w9", "addr": "10.0.0.9", "reason": "version_mismatch"},
-                       {"principal": None, "addr": "10.0.0.8", "reason": "unknown_credentials"}]}
+                       {"principal": "worker:w1", "claimed": True, "addr": "10.0.0.8", "reason": "unknown_credentials"}]}
     out = render_status(st)
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith(("w", "g1"))}
     assert rows["w1"][4] == "admitted" and rows["w2"][4] == "revoked"
     assert "0.1.0 (01234567)" in out and "0.1.0 (fedcba98)" in out  # same version, other code: visible
     assert rows["g1"][:3] == ["g1", "a:8080", "admitted"]
-    assert "worker:w9 from 10.0.0.9: version_mismatch" in out and "? from 10.0.0.8: unknown_credentials" in out
+    assert "worker:w9 from 10.0.0.9: version_mismatch" in out and "worker:w1 (claimed) from 10.0.0.8: unknown_credentials" in out
 
 
 def _pinned(groups: dict[str, dict], workers: dict[str, dict]) -> dict:

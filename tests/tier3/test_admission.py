@@ -74,7 +74,7 @@ def test_an_outsider_changes_nothing_and_a_wrong_secret_is_refused(tmp_path: Pat
         assert all(refused_total(c, w) > 0 for w, _, _ in c.workers)
         wait_until(lambda: "register_refused" in (tmp_path / "w9.log").read_text(), 10, "w9 to log its refusal")
         status = c.topoctl("status")
-        assert "worker:w9 from 127.0.0.1: unknown_credentials" in status.stdout, status.stdout
+        assert "worker:w9 (claimed) from 127.0.0.1: unknown_credentials" in status.stdout, status.stdout
         judge(c, result, "outsider", f"forgeries={sum(len(s) for s in got.values())}")
     finally:
         if intruder is not None:
