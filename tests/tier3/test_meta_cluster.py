@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.support.cluster import Cluster, http_json, wait_until
+from tests.support.cluster import Cluster, MemberHttp, http_json, wait_until
 
 pytestmark = pytest.mark.tier3
 
@@ -31,8 +31,9 @@ def cluster_view(c: Cluster, mid: str) -> dict:
 
 
 def heartbeat(c: Cluster, mid: str, wid: str, groups: dict) -> int:
-    code, _ = http_json("POST", f"http://{c.meta_spec(mid).http}/v1/workers/{wid}/heartbeat",
-                        {"groups": groups}, timeout=1.0)
+    """A heartbeat as worker `wid` sends it: signed as that worker (meta takes no other)."""
+    code, _ = MemberHttp(c.secret_path, f"worker:{wid}").json(
+        "POST", f"http://{c.meta_spec(mid).http}/v1/workers/{wid}/heartbeat", {"groups": groups}, timeout=1.0)
     return code
 
 
