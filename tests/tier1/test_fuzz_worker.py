@@ -38,6 +38,7 @@ from worker import replica_msgs as m
 from worker.codec import MalformedMessage, decode_message, encode_message
 from worker.process import WorkerConfig, WorkerNode
 from tests.support.waiting import until
+from tests.tier1.test_codec import ENTRIES
 from worker.server import CALLS_PATH, WorkerApi
 from worker.transport import STREAM_PATH
 
@@ -47,13 +48,6 @@ INT64_MAX = (1 << 63) - 1
 # -- the codec ------------------------------------------------------------------------------
 
 ENV = dict(src="w1", dst="w2", group=0, term=3)
-ENTRIES = (
-    m.Entry(3, 10, "term_start", None, None, 5),
-    m.Entry(3, 11, "op", {"kind": "put_item", "id": "a", "doc": {"x": [1, 2.5, None]}}, "rid-1", 6),
-    m.Entry(3, 12, "config", m.Config(("w1", "w2", "w3"), ("w4",)), None, 7),
-    m.Entry(3, 13, "ops", ({"kind": "delete_item", "id": "a"}, {"kind": "put_item", "id": "b", "doc": 1}),
-            ("rid-2", None), 8),
-)
 GOOD_MESSAGES = [
     m.Begin(**ENV), m.BeginOk(**ENV, last_term=2, last_seq=9, commit=8), m.StaleTerm(**ENV),
     m.Fetch(**ENV, prev_term=2, prev_seq=4), m.FetchReply(**ENV, ok=True, prev_seq=9, prev_term=2, entries=ENTRIES),

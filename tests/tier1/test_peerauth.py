@@ -109,8 +109,8 @@ async def test_the_wrong_secret_is_refused_at_hello(server: Any) -> None:
     assert srv.app[STORED] == []
 
 
-async def test_a_replayed_or_tampered_request_is_refused(server: Any) -> None:
-    srv, *_ = server
+async def _signed_headers(srv: TestServer, path: str, data: bytes) -> dict[str, str]:
+    """The headers of one signed POST a member sent (as an eavesdropper would capture them)."""
     captured: dict[str, str] = {}
 
     async def spy(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
@@ -119,8 +119,14 @@ async def test_a_replayed_or_tampered_request_is_refused(server: Any) -> None:
         return resp
 
     async with aiohttp.ClientSession(middlewares=(spy, PeerSigner(KEYS, W1))) as s:
-        async with s.post(srv.make_url("/v1/raft"), data=b"one") as r:
+        async with s.post(srv.make_url(path), data=data) as r:
             assert r.status == 200
+    return captured
+
+
+async def test_a_replayed_or_tampered_request_is_refused(server: Any) -> None:
+    srv, *_ = server
+    captured = await _signed_headers(srv, "/v1/raft", b"one")
     async with aiohttp.ClientSession() as outsider:
         headers = {AUTH_HEADER: captured[AUTH_HEADER]}
         async with outsider.post(srv.make_url("/v1/raft"), data=b"one", headers=headers) as r:
@@ -272,16 +278,7 @@ def _forged_welcome(real: SessionTable, hello: Any) -> Any:
 
 async def test_the_method_is_bound(server: Any) -> None:
     srv, *_ = server
-    captured: dict[str, str] = {}
-
-    async def spy(req: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
-        resp = await handler(req)
-        captured.update(req.headers)
-        return resp
-
-    async with aiohttp.ClientSession(middlewares=(spy, PeerSigner(KEYS, W1))) as s:
-        async with s.post(srv.make_url("/v1/write"), data=b"") as r:
-            assert r.status == 200
+    captured = await _signed_headers(srv, "/v1/write", b"")
     async with aiohttp.ClientSession() as outsider:
         # The same signature on another method of a path that takes both.
         async with outsider.get(srv.make_url("/v1/ws"), headers={AUTH_HEADER: captured[AUTH_HEADER]}) as r:
