@@ -67,6 +67,7 @@ from shardgrid.peerauth import ClusterKeys, Principal
 from shardgrid.peerauth_http import PeerSigner
 from shardgrid.ids import id_problem
 from shardgrid.httpmetrics import route_of
+from shardgrid.serving import body_deadline
 from shardgrid.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
@@ -407,7 +408,7 @@ class Gateway:
         return self._rt
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._edge],
+        app = web.Application(middlewares=[self._edge, body_deadline],
                               client_max_size=self.cfg.max_body_bytes)
         app[LOGGER_KEY] = self.log
         r = app.router

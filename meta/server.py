@@ -38,6 +38,7 @@ from shardgrid.identity import SoftwareIdentity
 from shardgrid.peerauth import ClusterKeys, Principal, SessionTable
 from shardgrid.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
 from shardgrid.tls import connector_ssl, scheme
+from shardgrid.serving import body_deadline
 from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response, short_repr
 from topology.errors import TopologyError
@@ -166,7 +167,8 @@ class MetaServer:
     # -- app ------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.metrics.middleware, error_middleware, self.guard.middleware],
+        app = web.Application(middlewares=[self.metrics.middleware, error_middleware, self.guard.middleware,
+                                           body_deadline],
                               client_max_size=MAX_TOPOLOGY_BYTES)
         app[SERVER_KEY] = self
         app[LOGGER_KEY] = self.log

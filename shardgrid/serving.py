@@ -6,18 +6,20 @@ here, they are the same on every listener and written down once
 (runbook/deploy.md, "Limits on what a worker accepts").
 
 aiohttp (3.14) has no cap on open connections (the listen backlog only
-bounds the accept queue): `cap_connections` adds one. What it cannot do,
-and so is not here: a timeout on reading a request's body (a slow body
-holds its handler until the body ends or reaches the app's
-client_max_size).
+bounds the accept queue): `cap_connections` adds one. Nor a timeout on
+reading a request's body: `body_deadline` adds one (a body that has not
+arrived whole within BODY_READ_S is a 408, and its handler never runs).
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+from shardgrid.wire import ApiError
 
 # An idle keep-alive connection is closed after this, and the timer starts
 # when a connection opens or an answer is sent: a client that connects and
@@ -35,6 +37,9 @@ MAX_HEADERS = 128
 # all workers together, a worker holds one stream per peer and gateway), far
 # below the file descriptors of a default systemd unit (deploy.md: 65536).
 MAX_CONNECTIONS = 16_384
+# A request's whole body must arrive within this (a 64 MiB write_batch at
+# 2.2 MB/s): a client that trickles one holds a handler and its buffer no longer.
+BODY_READ_S = 30.0
 _REFUSED_LOG_EVERY_S = 10.0
 
 
@@ -76,3 +81,18 @@ def app_runner(app: web.Application, shutdown_timeout: float, keepalive_s: float
     return web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout,
                          keepalive_timeout=keepalive_s, handler_cancellation=False,
                          max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
+
+
+@web.middleware
+async def body_deadline(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Read a request's body within BODY_READ_S before its handler runs (the
+    handler's own read then returns it at once); 408 `request_timeout` if it
+    does not arrive whole in time."""
+    if request.body_exists and request.can_read_body:
+        try:
+            async with asyncio.timeout(BODY_READ_S):  # no task per request, as wait_for would make
+                await request.read()
+        except TimeoutError:
+            raise ApiError("request_timeout", f"the request body did not arrive within {BODY_READ_S:g} s") from None
+    return await handler(request)

@@ -18,6 +18,7 @@ STATUS_FOR_CODE: dict[str, int] = {
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,
+    "request_timeout": 408,
     "method_not_allowed": 405,
     "conflict": 409,
     "payload_too_large": 413,

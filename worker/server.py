@@ -20,6 +20,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from shardgrid.peerauth import Principal, SessionTable
 from shardgrid.peerauth_http import ANY_ROLE, PeerGuard, peer_of
 from shardgrid.peerauth_http import refusal as auth_refusal
+from shardgrid.serving import body_deadline
 from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, error_body, error_middleware, \
     json_response, pack_frames, packb, short_repr, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
@@ -232,7 +233,8 @@ class WorkerApi:
         table = SessionTable(keys, self.node.principal, time.monotonic, revoked=self.node.revoked) \
             if keys is not None else None
         self.guard = PeerGuard(table, self.peer_policy(), self.node.log, registry=self.node.metrics.registry)
-        app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware, self.guard.middleware],
+        app = web.Application(middlewares=[self.node.metrics.middleware, error_middleware, self.guard.middleware,
+                                           body_deadline],
                               client_max_size=MAX_BODY)
         app[NODE_KEY] = self.node
         app[LOGGER_KEY] = self.node.log

@@ -124,3 +124,37 @@ async def test_connections_beyond_the_cap_are_closed_and_the_others_served() -> 
         for _, w in opened:
             w.close()
         await runner.cleanup()
+
+
+async def test_a_body_that_trickles_in_is_a_408_and_its_handler_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardgrid import serving
+    from shardgrid.wire import error_middleware
+
+    monkeypatch.setattr(serving, "BODY_READ_S", 0.3)
+    ran: list[bytes] = []
+
+    async def take(request: web.Request) -> web.Response:
+        ran.append(await request.read())
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[error_middleware, serving.body_deadline])
+    app.router.add_post("/", take)
+    runner = app_runner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # 3 of 10 bytes
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 408"), head
+        writer.close()
+        assert ran == []
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        assert (await asyncio.wait_for(reader.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        assert ran == [b"abc"]
+    finally:
+        await runner.cleanup()
