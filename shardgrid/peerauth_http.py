@@ -30,6 +30,7 @@ from shardgrid.auth import read_secret
 from shardgrid.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClientSession, ClusterKeys, PeerAuthError,
                                 Principal, SessionTable, make_hello, open_client_session, parse_hello,
                                 parse_welcome)
+from shardgrid.serving import read_body
 from shardgrid.wire import ApiError, error_response, json_response
 
 REFUSED_HEADER = "Shardgrid-Refused"
@@ -92,7 +93,7 @@ class PeerGuard:
         header = request.headers.get(AUTH_HEADER)
         try:
             self.table.precheck(header)
-            body = await request.read() if request.body_exists else b""
+            body = await read_body(request)  # only a live session's body is read, and within a deadline
             peer = self.table.verify(header, request.method, request.raw_path, body)
         except PeerAuthError as err:
             return self._refuse(request, err.reason, err.message)

@@ -83,16 +83,22 @@ def app_runner(app: web.Application, shutdown_timeout: float, keepalive_s: float
                          max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request's whole body, if it arrives within BODY_READ_S (later reads
+    return it at once); 408 `request_timeout` otherwise."""
+    if not request.body_exists:
+        return b""
+    try:
+        async with asyncio.timeout(BODY_READ_S):  # no task per request, as wait_for would make
+            return await request.read()
+    except TimeoutError:
+        raise ApiError("request_timeout", f"the request body did not arrive within {BODY_READ_S:g} s") from None
+
+
 @web.middleware
 async def body_deadline(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Read a request's body within BODY_READ_S before its handler runs (the
-    handler's own read then returns it at once); 408 `request_timeout` if it
-    does not arrive whole in time."""
+    """Read a request's body (`read_body`) before its handler runs."""
     if request.body_exists and request.can_read_body:
-        try:
-            async with asyncio.timeout(BODY_READ_S):  # no task per request, as wait_for would make
-                await request.read()
-        except TimeoutError:
-            raise ApiError("request_timeout", f"the request body did not arrive within {BODY_READ_S:g} s") from None
+        await read_body(request)
     return await handler(request)

@@ -179,13 +179,14 @@ class WorkerNode:
         if self.view is None:
             return None
         w = self.view["workers"].get(worker_id)
-        return w["addr"] if w and w.get("admission", "admitted") != "revoked" else None
+        return w["addr"] if w and not self._revoked_worker(worker_id) else None
 
     def revoked(self, who: Principal) -> bool:
         """Has meta revoked this peer? (Its requests are refused from the view that says so.)"""
-        if self.view is None or who.role != "worker":
-            return False
-        w = self.view["workers"].get(who.name)
+        return who.role == "worker" and self._revoked_worker(who.name)
+
+    def _revoked_worker(self, wid: str) -> bool:
+        w = self.view["workers"].get(wid) if self.view is not None else None
         return w is not None and w.get("admission", "admitted") == "revoked"
 
     def leader_of(self, gid: int) -> str | None:

@@ -205,3 +205,16 @@ def header_value(valid: Callable[[bytes], bool]) -> st.SearchStrategy[bytes]:
     printable = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=120).map(str.encode)
     return st.one_of(raw, printable, st.sampled_from([b"", b" ", b"\xff", b"\xc3\x28", b"\xed\xa0\x80"])) \
         .filter(lambda v: not valid(v.strip(b" \t")))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile request: its kind (for the tally), method, target, body,
+    headers, and the range its status must fall in."""
+
+    kind: str
+    method: str
+    target: bytes
+    body: bytes = b""
+    headers: tuple[bytes, ...] = ()
+    status: tuple[int, int] = (400, 499)

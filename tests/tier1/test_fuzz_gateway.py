@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -20,7 +19,7 @@ import orjson
 from hypothesis import strategies as st
 
 from tests.support.rawhttp import raw_request
-from tests.tier1.fuzz_support import BAD_JSON_BYTES, JSONISH, Tally, assert_error_answer, deep_json, dumps, fuzz, \
+from tests.tier1.fuzz_support import BAD_JSON_BYTES, JSONISH, Case, Tally, assert_error_answer, deep_json, dumps, fuzz, \
     header_value
 from tests.tier1.test_gateway_fakes import Fakes, make_fakes, start_gateway
 
@@ -28,16 +27,6 @@ TOKEN = "fuzz-admin-token"
 DIM = 4
 V4 = [0.1, 0.2, 0.3, 0.4]
 MAX_EXAMPLES = 500
-
-
-@dataclass(frozen=True)
-class Case:
-    kind: str
-    method: str
-    target: bytes
-    body: bytes = b""
-    headers: tuple[bytes, ...] = ()
-    status: tuple[int, int] = (400, 499)
 
 
 # -- what the API accepts, written independently of gateway/routes.py ---------------------

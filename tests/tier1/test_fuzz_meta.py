@@ -30,6 +30,7 @@ from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig, _now_ms
 from tests.support.cluster import free_ports
 from tests.support.rawhttp import raw_request
+from tests.tier1 import fuzz_support
 from tests.tier1.fuzz_support import BAD_JSON_BYTES, HUGE_INTS, JSONISH, NON_FINITE, Tally, assert_error_answer, \
     deep_json, deep_text, dumps, fuzz, header_value
 from topology.errors import TopologyError
@@ -86,13 +87,8 @@ def _state(m: Meta) -> Any:
 
 
 @dataclass(frozen=True)
-class Case:
-    kind: str
-    method: str
-    target: bytes
-    body: bytes = b""
-    headers: tuple[bytes, ...] = (AUTH,)
-    status: tuple[int, int] = (400, 499)
+class Case(fuzz_support.Case):
+    headers: tuple[bytes, ...] = (AUTH,)  # meta's verbs: past the token check, to the parsing
 
 
 def _json(value: Any) -> bytes:

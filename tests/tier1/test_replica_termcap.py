@@ -15,6 +15,7 @@ import structlog
 
 from tests.tier1.test_replica_unit import CFG, VOTERS, log_of, op, ready_net, stored
 from worker.group import GroupSettings, GroupShell
+from tests.support.group_hooks import NullHooks
 from worker.plugins.base import load_plugin
 from worker.replica import Replica
 from worker.replica_msgs import (
@@ -148,25 +149,14 @@ def test_a_view_that_is_not_there_yet_leaves_the_message_kept() -> None:
 # The shell: NeedMetaView becomes one fetch of meta's view at a time
 
 
-class _MetaHooks:
+class _MetaHooks(NullHooks):
     """Hooks whose meta answers after `gate` is set, counting the fetches."""
 
     def __init__(self, view: MetaView) -> None:
+        super().__init__()
         self.view = view
         self.fetches = 0
         self.gate = asyncio.Event()
-
-    def peer_addr(self, worker_id: str) -> str | None:
-        return None
-
-    def report_ready(self, group: int, term: int) -> None:
-        pass
-
-    def transfer_ready(self, group: int, target: str, term: int) -> None:
-        pass
-
-    def report_quorum(self, group: int, term: int, ok: bool) -> None:
-        pass
 
     async def meta_view(self, group: int) -> MetaView | None:
         self.fetches += 1
