@@ -32,10 +32,11 @@ async def _until(cond: Any, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _started(tmp_path: Path, snapshot_every: int, plugin: Any = None, term: int = 1) -> GroupShell:
+def _started(tmp_path: Path, snapshot_every: int = 100_000, plugin: Any = None, term: int = 1,
+             **settings: Any) -> GroupShell:
     """A one-voter group (re)opened from `tmp_path`; meta names it leader of `term`."""
     g = GroupShell("a", 0, tmp_path, plugin or load_plugin("entities"),
-                   GroupSettings(fsync="batch", snapshot_every=snapshot_every),
+                   GroupSettings(fsync="batch", snapshot_every=snapshot_every, **settings),
                    _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
     g.open()
     g.start()
@@ -643,12 +644,7 @@ async def test_a_full_group_refuses_new_calls_at_once_and_serves_again_once_they
     # counted, and once the waiting reads end the group serves again.
     from worker.group import GroupOverloaded
 
-    g = GroupShell("a", 0, tmp_path, load_plugin("entities"),
-                   GroupSettings(fsync="batch", max_pending=2, max_pending_bytes=1 << 20),
-                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
-    g.open()
-    g.start()
-    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    g = _started(tmp_path, max_pending=2, max_pending_bytes=1 << 20)
     try:
         await _until(lambda: g.replica is not None and g.replica.ready)
         query = {"kind": "get_item", "id": "k1"}
@@ -676,12 +672,7 @@ async def test_a_full_group_refuses_new_calls_at_once_and_serves_again_once_they
 async def test_a_full_byte_budget_refuses_but_a_call_alone_is_always_admitted(tmp_path: Path) -> None:
     from worker.group import GroupOverloaded
 
-    g = GroupShell("a", 0, tmp_path, load_plugin("entities"),
-                   GroupSettings(fsync="batch", max_pending=100, max_pending_bytes=1000),
-                   _NoPeers(), NullHooks(), structlog.get_logger())  # type: ignore[arg-type]
-    g.open()
-    g.start()
-    g.deliver(m.MetaView(1, "a", ("a",), (), 0))
+    g = _started(tmp_path, max_pending=100, max_pending_bytes=1000)
     try:
         await _until(lambda: g.replica is not None and g.replica.ready)
         # Over the budget, but alone: admitted, or a valid call could never pass.
