@@ -146,15 +146,19 @@ def expired_assignments(operators: Mapping[int, OperatorRecord], soft: SoftState
 
 def repair(groups: Sequence[GroupRecord], operators: Mapping[int, OperatorRecord],
            workers: Mapping[str, WorkerRecord], soft: SoftState, now_ms: int, lease_ms: int,
-           replace_after_ms: int, rf: int) -> list[StartOperator | StartTransfer | SetWorkerState]:
+           replace_after_ms: int, rf: int, rf_of: Mapping[int, int] | None = None,
+           ) -> list[StartOperator | StartTransfer | SetWorkerState]:
     """The repair, gap-fill and drain steps to start now, in group order (one
-    per group), then the draining workers that host nothing any more."""
+    per group), then the draining workers that host nothing any more. `rf_of`
+    gives the groups whose factor is not `rf` (a model's groups)."""
     actions: list[StartOperator | StartTransfer | SetWorkerState] = []
     # Workers receiving a replica already (one catch-up at a time each).
     busy = Counter(op.worker for op in operators.values() if op.kind == "add")
+    default_rf = rf
     for g in sorted(groups, key=lambda g: g.id):
         if g.id in operators or not g.ready or g.leader is None or not is_live(soft, g.leader, now_ms, lease_ms):
             continue
+        rf = rf_of.get(g.id, default_rf) if rf_of else default_rf
         if draining(workers, g.leader):
             leaving = frozenset(v for v in g.voters if not placeable(workers.get(v)))
             target = best_transfer_target(g, soft, now_ms, lease_ms, exclude=leaving)

@@ -43,7 +43,7 @@ from shardgrid.units import MAX_BYTES
 from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response, short_repr
 from topology.errors import TopologyError
 from topology.loader import load_topology
-from topology.model import GroupSpec, Topology
+from topology.model import GroupSpec, Topology, replication_factors
 from topology.plan import Action, action_to_dict, other_changes, plan, render_action, render_plan
 
 MAX_TOPOLOGY_BYTES = 1 << 20
@@ -790,7 +790,7 @@ class MetaServer:
             replace_after = int(topo["settings"].get("replace_after_ms", 60_000))
             groups = list(sm.groups.values())
             moves = repair(groups, sm.operators, sm.workers, self.soft, now, lease, replace_after,
-                           int(topo["replication_factor"]))
+                           int(topo["replication_factor"]), replication_factors(topo))
             moved = {s.group for s in moves if not isinstance(s, SetWorkerState)}
             moves += [s for s in reconcile(groups, sm.operators, sm.workers, self.soft, now, lease)
                       if s.group not in moved]

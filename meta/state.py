@@ -170,13 +170,13 @@ class MetaStateMachine:
             if current is None:
                 self.groups[g.id] = GroupRecord(id=g.id, term=1, leader=g.leader, voters=list(g.replicas),
                                                 preferred_leader=g.leader, desired=tuple(g.replicas),
-                                                leader_pinned=topo.groups_explicit)
+                                                leader_pinned=topo.pinned(g.id))
                 created.append(g.id)
             else:
                 # Replica and leader moves of a live group are staged by the
                 # controller (reconcile, leader balance) toward these.
                 current.preferred_leader = g.leader
-                current.leader_pinned = topo.groups_explicit
+                current.leader_pinned = topo.pinned(g.id)
                 current.desired = tuple(g.replicas)
         return ok(topology_revision=self.topology_revision, created_groups=created)
 
@@ -184,9 +184,7 @@ class MetaStateMachine:
         """The groups a file with `groups:` pins other than where meta now steers
         them (desired placement or preferred leader): the controller or an
         operator moved them since it was applied. Automatic placement pins nothing."""
-        if not topo.groups_explicit:
-            return []
-        return [g.id for g in topo.groups if g.id in self.groups and (
+        return [g.id for g in topo.groups if topo.pinned(g.id) and g.id in self.groups and (
             sorted(self.groups[g.id].desired) != sorted(g.replicas) or self.groups[g.id].preferred_leader != g.leader)]
 
     def _declare_workers(self, topo: Topology) -> None:

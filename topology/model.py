@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import Any
+from typing import Any, Mapping
 
 ACK_MODES = ("leader", "quorum", "all")
 FSYNC_MODES = ("batch", "always", "none")
-PLUGINS = ("entities", "layers")
+# The plugin of the entity shards; a model's groups always run `layers`.
+PLUGINS = ("entities",)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,60 @@ class GroupSpec:
     id: int
     leader: str
     replicas: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelGroupSpec:
+    """One group of a model: the inclusive layer range its replicas hold."""
+
+    id: int
+    first: int
+    last: int
+    pinned: bool  # the file named its replicas: the controller's balancing leaves its leader alone
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A layer-sharded model (the `layers` plugin): its shape and the groups
+    holding its layer ranges. Group ids follow the entity shards' (S, S+1, ...)
+    in the order of the file."""
+
+    name: str
+    layers: int
+    d_model: int
+    d_hidden: int
+    seed: int  # the weights every group starts from (version 1)
+    replication_factor: int
+    groups: tuple[ModelGroupSpec, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layers": self.layers, "d_model": self.d_model, "d_hidden": self.d_hidden,
+                "seed": self.seed, "replication_factor": self.replication_factor,
+                "groups": [asdict(g) for g in self.groups]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
+        return cls(name=d["name"], layers=d["layers"], d_model=d["d_model"], d_hidden=d["d_hidden"],
+                   seed=d["seed"], replication_factor=d["replication_factor"],
+                   groups=tuple(ModelGroupSpec(id=g["id"], first=g["first"], last=g["last"],
+                                               pinned=g["pinned"]) for g in d["groups"]))
+
+
+def model_groups(topo: Mapping[str, Any] | None) -> dict[int, tuple[dict[str, Any], dict[str, Any]]]:
+    """{group id: (model dict, group dict)} of a stored topology (`to_dict`
+    form): what the worker, gateway and meta, which keep the dict, need to
+    tell a model's group from an entity shard."""
+    out: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for m in (topo or {}).get("models") or ():
+        for g in m["groups"]:
+            out[int(g["id"])] = (m, g)
+    return out
+
+
+def replication_factors(topo: Mapping[str, Any]) -> dict[int, int]:
+    """{group id: replication factor} for the model groups, whose factor may
+    differ from the topology's (the entity shards use `replication_factor`)."""
+    return {gid: int(m["replication_factor"]) for gid, (m, _) in model_groups(topo).items()}
 
 
 @dataclass(frozen=True)
@@ -82,6 +137,7 @@ class Topology:
     groups: tuple[GroupSpec, ...]  # always filled, sorted by id
     settings: Settings
     groups_explicit: bool  # True when the file had `groups:`
+    models: tuple[ModelSpec, ...] = ()
 
     # Lookups sit on request paths (gateway, worker); index once per instance.
     # cached_property writes to __dict__ directly, so it works on a frozen
@@ -93,6 +149,22 @@ class Topology:
     @cached_property
     def _groups_by_id(self) -> dict[int, GroupSpec]:
         return {g.id: g for g in self.groups}
+
+    @cached_property
+    def _model_groups(self) -> dict[int, tuple[ModelSpec, ModelGroupSpec]]:
+        return {g.id: (m, g) for m in self.models for g in m.groups}
+
+    def model_group(self, gid: int) -> tuple[ModelSpec, ModelGroupSpec] | None:
+        """The model and layer range group `gid` holds; None for an entity shard."""
+        return self._model_groups.get(gid)
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def pinned(self, gid: int) -> bool:
+        """Whether the file placed group `gid` itself (its leader is then left where the file says)."""
+        mg = self._model_groups.get(gid)
+        return mg[1].pinned if mg is not None else self.groups_explicit
 
     def worker(self, wid: str) -> WorkerSpec | None:
         return self._workers_by_id.get(wid)
@@ -112,6 +184,7 @@ class Topology:
             "groups": [{"id": g.id, "leader": g.leader, "replicas": list(g.replicas)} for g in self.groups],
             "settings": asdict(self.settings),
             "groups_explicit": self.groups_explicit,
+            "models": [m.to_dict() for m in self.models],
         }
 
     @classmethod
@@ -131,4 +204,5 @@ class Topology:
             settings=Settings(**{**d["settings"],
                                  "allowed_versions": tuple(d["settings"].get("allowed_versions", ()))}),
             groups_explicit=d["groups_explicit"],
+            models=tuple(ModelSpec.from_dict(m) for m in d.get("models") or ()),
         )

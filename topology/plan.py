@@ -121,8 +121,14 @@ def other_changes(current: dict[str, Any] | None, desired: dict[str, Any]) -> li
         if old_w[wid] != new_w[wid]:
             lines.append(f"~ worker {wid}: {old_w[wid]['http']}, zone {old_w[wid]['zone']} -> "
                          f"{new_w[wid]['http']}, zone {new_w[wid]['zone']}")
+    old_m = {m["name"] for m in current.get("models") or []}
+    for m in desired.get("models") or []:
+        if m["name"] not in old_m:
+            ranges = ", ".join(f"{g['id']}: {g['first']}-{g['last']}" for g in m["groups"])
+            lines.append(f"+ model {m['name']} ({m['layers']} layers, d_model {m['d_model']}; groups {ranges})")
     for key in sorted(set(current) | set(desired)):
-        if key not in ("settings", "workers", "groups", "groups_explicit") and current.get(key) != desired.get(key):
+        if key not in ("settings", "workers", "groups", "groups_explicit", "models") \
+                and current.get(key) != desired.get(key):
             lines.append(f"~ {key} changed")
     return lines
 

@@ -26,6 +26,8 @@ from topology.model import (
     SETTINGS_FIELDS,
     GroupSpec,
     MetaNode,
+    ModelGroupSpec,
+    ModelSpec,
     Settings,
     Topology,
     WorkerSpec,
@@ -42,12 +44,20 @@ _CLUSTER_RE = re.compile(r"[a-z0-9_-]+")
 _ZONE_RE = re.compile(r"[A-Za-z0-9_.-]+")
 _VERSION_RE = re.compile(r"[A-Za-z0-9_.+-]+")
 
-TOP_KEYS = ("cluster", "shards", "replication_factor", "plugin", "meta", "workers", "groups", "settings")
+TOP_KEYS = ("cluster", "shards", "replication_factor", "plugin", "meta", "workers", "groups", "settings", "models")
 TOP_REQUIRED = ("cluster", "shards", "replication_factor", "meta", "workers")
 META_KEYS = ("id", "raft", "http")
 WORKER_KEYS = ("id", "http", "zone")
 WORKER_REQUIRED = ("id", "http")
 GROUP_KEYS = ("id", "leader", "replicas")
+MODEL_KEYS = ("name", "layers", "d_model", "d_hidden", "seed", "replication_factor", "groups")
+MODEL_REQUIRED = ("name", "layers", "d_model", "groups")
+MODEL_GROUP_KEYS = ("layers", "replicas", "leader")
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 16
+# A weights update is one log entry per group, and a log entry is capped at
+# 8 MiB (worker/server.py MAX_WRITE_BYTES); leave room for the envelope.
+MAX_GROUP_WEIGHTS_BYTES = 7 << 20
 SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every", "embedding_dim",
                  "replace_after_ms", "assignment_timeout_ms", "rebalance_window_ms", "snapshot_concurrency",
                  "snapshot_rate_mb_s")
@@ -207,6 +217,9 @@ def build_topology(doc: object, *, live: Topology | None = None) -> Topology:
         c.add("shards", f"cannot change from {live.shards} to {shards} on a live cluster: "
                         "resharding is a separate operation")
     plugin = c.want_choice(doc["plugin"], "plugin", PLUGINS) if "plugin" in doc else PLUGINS[0]
+    if "plugin" in doc and doc["plugin"] == "layers":
+        c.add("plugin", "`layers` is not a plugin for the entity shards: declare the model under `models:` "
+                        "(runbook/models.md)")
     if live is not None and plugin is not None and plugin != live.plugin:
         c.add("plugin", f"cannot change from {live.plugin!r} to {plugin!r} on a live cluster")
 
@@ -231,13 +244,20 @@ def build_topology(doc: object, *, live: Topology | None = None) -> Topology:
     if explicit:
         groups = _groups(c, doc["groups"], shards, rf, declared)
 
+    models: tuple[ModelSpec, ...] | None = ()
+    if "models" in doc:
+        models = _models(c, doc["models"], shards, rf, workers, declared)
+    if live is not None and models is not None:
+        _check_live_models(c, models, live.models)
+
     if c.errors:
         raise TopologyError(c.errors)
     # No errors means every field above was parsed; the asserts narrow types.
     assert cluster is not None and shards is not None and rf is not None and plugin is not None
-    assert meta is not None and workers is not None and settings is not None
+    assert meta is not None and workers is not None and settings is not None and models is not None
     if groups is None:
         groups = place_groups(workers, shards, rf)
+    groups = groups + _model_placement(models, workers, doc.get("models") or [])
     return Topology(
         cluster=cluster,
         shards=shards,
@@ -248,6 +268,7 @@ def build_topology(doc: object, *, live: Topology | None = None) -> Topology:
         groups=groups,
         settings=settings,
         groups_explicit=explicit,
+        models=models,
     )
 
 
@@ -478,3 +499,183 @@ def _replicas(
         c.add(path, f"has {len(items)} replicas but replication_factor is {rf}")
         ok = False
     return tuple(out), ok
+
+
+def _models(c: _Checker, raw: object, shards: int | None, rf: int | None,
+            workers: tuple[WorkerSpec, ...] | None, declared: set[str] | None) -> tuple[ModelSpec, ...] | None:
+    """The `models:` list; group ids follow the shards' in file order."""
+    items = c.want_list(raw, "models", "models")
+    if items is None:
+        return None
+    ok = shards is not None
+    next_id = shards or 0
+    out: list[ModelSpec] = []
+    names: dict[str, str] = {}
+    for i, item in enumerate(items):
+        path = f"models[{i}]"
+        m = c.want_mapping(item, path)
+        if m is None:
+            ok = False
+            continue
+        c.keys(m, path, MODEL_KEYS, MODEL_REQUIRED)
+        name = c.want_id(m["name"], f"{path}.name") if "name" in m else None
+        if name is not None:
+            if name in names:
+                c.add(f"{path}.name", f"duplicate model name {name!r} (also {names[name]})")
+                name = None
+            else:
+                names[name] = f"{path}.name"
+        layers = c.want_int(m["layers"], f"{path}.layers", 1, MAX_LAYERS) if "layers" in m else None
+        d_model = c.want_int(m["d_model"], f"{path}.d_model", 1, MAX_WIDTH) if "d_model" in m else None
+        d_hidden = c.want_int(m["d_hidden"], f"{path}.d_hidden", 1, MAX_WIDTH) if "d_hidden" in m \
+            else (4 * d_model if d_model is not None else None)
+        seed = c.want_int(m["seed"], f"{path}.seed", 0, 2**63 - 1) if "seed" in m else 0
+        model_rf = rf
+        if "replication_factor" in m:
+            model_rf = c.want_int(m["replication_factor"], f"{path}.replication_factor", 1, MAX_SHARDS)
+            if model_rf is not None and workers is not None and model_rf > len(workers):
+                c.add(f"{path}.replication_factor", f"{model_rf} exceeds the number of workers ({len(workers)})")
+                model_rf = None
+        groups = _model_groups(c, m["groups"], f"{path}.groups", layers, model_rf, declared, next_id) \
+            if "groups" in m else None
+        if groups is not None:
+            next_id += len(groups)
+            if layers is not None:
+                _check_cover(c, f"{path}.groups", groups, layers)
+            if d_model is not None and d_hidden is not None:
+                per_layer = 4 * (2 * d_model * d_hidden + d_hidden + 2 * d_model)
+                for j, g in enumerate(groups):
+                    size = per_layer * (g.last - g.first + 1)
+                    if size > MAX_GROUP_WEIGHTS_BYTES:
+                        c.add(f"{path}.groups[{j}].layers",
+                              f"layers {g.first}-{g.last} hold {size / 2**20:.1f} MiB of weights, more than the "
+                              f"{MAX_GROUP_WEIGHTS_BYTES >> 20} MiB one weights update may carry: "
+                              "split the range over more groups")
+        if None in (name, layers, d_model, d_hidden, seed, model_rf, groups):
+            ok = False
+            continue
+        assert name is not None and layers is not None and d_model is not None and d_hidden is not None
+        assert seed is not None and model_rf is not None and groups is not None
+        out.append(ModelSpec(name=name, layers=layers, d_model=d_model, d_hidden=d_hidden, seed=seed,
+                             replication_factor=model_rf, groups=groups))
+    if shards is not None and next_id > MAX_SHARDS:
+        c.add("models", f"shards and model groups together number {next_id}, more than {MAX_SHARDS}")
+        ok = False
+    return tuple(out) if ok else None
+
+
+def _model_groups(c: _Checker, raw: object, path: str, layers: int | None, rf: int | None,
+                  declared: set[str] | None, first_id: int) -> tuple[ModelGroupSpec, ...] | None:
+    items = c.want_list(raw, path, "groups, each {layers: [first, last]}")
+    if items is None:
+        return None
+    if not items:
+        c.add(path, "a model needs at least one group")
+        return None
+    ok = True
+    out: list[ModelGroupSpec] = []
+    for j, item in enumerate(items):
+        gpath = f"{path}[{j}]"
+        g = c.want_mapping(item, gpath)
+        if g is None:
+            ok = False
+            continue
+        c.keys(g, gpath, MODEL_GROUP_KEYS, ("layers",))
+        span = _layer_range(c, g["layers"], f"{gpath}.layers", layers) if "layers" in g else None
+        replicas: tuple[str, ...] | None = None
+        if "replicas" in g:
+            replicas, replicas_ok = _replicas(c, g["replicas"], f"{gpath}.replicas", rf, declared)
+            if not replicas_ok:
+                ok = False
+        if "leader" in g:
+            leader = c.want_id(g["leader"], f"{gpath}.leader")
+            if "replicas" not in g:
+                c.add(f"{gpath}.leader", "a leader needs the group's replicas too (or omit both for "
+                                         "automatic placement)")
+                ok = False
+            elif leader is not None and replicas is not None and leader not in replicas:
+                c.add(f"{gpath}.leader", f"{leader!r} is not one of the group's replicas ({', '.join(replicas)})")
+                ok = False
+        if span is None:
+            ok = False
+            continue
+        out.append(ModelGroupSpec(id=first_id + j, first=span[0], last=span[1], pinned="replicas" in g))
+    return tuple(out) if ok else None
+
+
+def _layer_range(c: _Checker, raw: object, path: str, layers: int | None) -> tuple[int, int] | None:
+    if not (isinstance(raw, list) and len(raw) == 2):
+        c.add(path, f"expected [first, last] (inclusive layer numbers), got {_type_name(raw)}")
+        return None
+    hi = (layers - 1) if layers is not None else MAX_LAYERS - 1
+    first = c.want_int(raw[0], f"{path}[0]", 0, hi)
+    last = c.want_int(raw[1], f"{path}[1]", 0, hi)
+    if first is None or last is None:
+        return None
+    if first > last:
+        c.add(path, f"first layer {first} is after last layer {last}")
+        return None
+    return first, last
+
+
+def uncovered_layers(spans: Sequence[tuple[int, int]], layers: int) -> list[tuple[int, int]]:
+    """The inclusive runs of layers 0..layers-1 that no span covers."""
+    covered = [False] * layers
+    for first, last in spans:
+        for i in range(first, last + 1):
+            covered[i] = True
+    runs: list[tuple[int, int]] = []
+    for i, hit in enumerate(covered):
+        if not hit:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1] = (runs[-1][0], i)
+            else:
+                runs.append((i, i))
+    return runs
+
+
+def render_runs(runs: Sequence[tuple[int, int]]) -> str:
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _check_cover(c: _Checker, path: str, groups: tuple[ModelGroupSpec, ...], layers: int) -> None:
+    gaps = uncovered_layers([(g.first, g.last) for g in groups], layers)
+    if gaps:
+        c.add(path, f"layers {render_runs(gaps)} are not covered by any group: every layer 0..{layers - 1} "
+                    "needs one")
+
+
+def _check_live_models(c: _Checker, models: tuple[ModelSpec, ...], live: tuple[ModelSpec, ...]) -> None:
+    """A live model keeps its shape, seed and layer ranges (the groups hold them,
+    and group ids follow from their order); a new model may be appended."""
+    for i, old in enumerate(live):
+        path = f"models[{i}]"
+        new = models[i] if i < len(models) else None
+        if new is None:
+            c.add("models", f"model {old.name!r} cannot be removed from a live cluster")
+            continue
+        for key in ("name", "layers", "d_model", "d_hidden", "seed"):
+            if getattr(new, key) != getattr(old, key):
+                hint = " (change weights with POST /v1/models/NAME/weights)" if key == "seed" else ""
+                c.add(f"{path}.{key}", f"cannot change from {getattr(old, key)!r} to {getattr(new, key)!r} "
+                                       f"on a live cluster{hint}")
+        if [(g.id, g.first, g.last) for g in new.groups] != [(g.id, g.first, g.last) for g in old.groups]:
+            c.add(f"{path}.groups", "the layer ranges of a live model's groups cannot change "
+                                    f"(live: {render_runs([(g.first, g.last) for g in old.groups])})")
+
+
+def _model_placement(models: tuple[ModelSpec, ...], workers: tuple[WorkerSpec, ...],
+                     raw: list[Any]) -> tuple[GroupSpec, ...]:
+    """Each model group's replicas: the file's, or automatic placement over the
+    model's own groups (so leaders and replicas spread within the model)."""
+    out: list[GroupSpec] = []
+    for m, raw_m in zip(models, raw):
+        auto = place_groups(workers, len(m.groups), m.replication_factor)
+        for j, g in enumerate(m.groups):
+            entry = raw_m["groups"][j]
+            if "replicas" in entry:
+                replicas = tuple(entry["replicas"])
+                out.append(GroupSpec(id=g.id, leader=entry.get("leader", replicas[0]), replicas=replicas))
+            else:
+                out.append(GroupSpec(id=g.id, leader=auto[j].leader, replicas=auto[j].replicas))
+    return tuple(out)

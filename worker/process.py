@@ -33,7 +33,7 @@ from shardgrid.peerauth_http import PeerSigner
 from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner, cap_connections
 from shardgrid.tls import NO_TLS, Tls
-from topology.model import Settings
+from topology.model import Settings, model_groups
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
@@ -329,7 +329,7 @@ class WorkerNode:
 
     def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
         s = topo["settings"]
-        plugin = load_plugin(topo["plugin"], PluginSettings(embedding_dim=int(s["embedding_dim"])))
+        plugin = load_plugin(*plugin_for(topo, gid))
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"]),
@@ -563,6 +563,16 @@ class WorkerNode:
             await shell.close()
         await self.transport.close()
         await self.meta.close()
+
+
+def plugin_for(topo: dict[str, Any], gid: int) -> tuple[str, PluginSettings]:
+    """The plugin group `gid` runs: `layers` for a model's group, the topology's plugin otherwise."""
+    s = topo["settings"]
+    mg = model_groups(topo).get(gid)
+    if mg is not None:
+        model, group = mg
+        return "layers", PluginSettings(model=model, layer_range=(int(group["first"]), int(group["last"])))
+    return topo["plugin"], PluginSettings(embedding_dim=int(s["embedding_dim"]))
 
 
 def _meta_view(g: dict[str, Any]) -> m.MetaView:

@@ -121,7 +121,7 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
     ("rf-above-workers", mutated(setp("replication_factor", 5)), None,
      [("replication_factor", "5 exceeds the number of workers (4)")]),
     ("bad-cluster-name", mutated(setp("cluster", "Demo")), None, [("cluster", "invalid cluster name 'Demo'")]),
-    ("unknown-plugin", mutated(setp("plugin", "kv")), None, [("plugin", "must be one of entities, layers, got 'kv'")]),
+    ("unknown-plugin", mutated(setp("plugin", "kv")), None, [("plugin", "must be one of entities, got 'kv'")]),
     ("duplicate-worker-id", mutated(lambda d: d["workers"].append({"id": "w2", "http": "127.0.0.1:7205"})), None,
      [("workers[4].id", "duplicate worker id 'w2' (also workers[1].id)")]),
     ("duplicate-meta-id", mutated(setp("meta.2.id", "m1")), None,
@@ -175,8 +175,9 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
      [("shards", "cannot change from 3 to 2 on a live cluster")]),
     ("cluster-changed-live", mutated(setp("cluster", "other")), live_with(),
      [("cluster", "this file is for cluster 'other' but the live cluster is 'demo'")]),
-    ("plugin-changed-live", mutated(setp("plugin", "layers")), live_with(),
-     [("plugin", "cannot change from 'entities' to 'layers' on a live cluster")]),
+    ("plugin-layers-is-a-model", mutated(setp("plugin", "layers")), None,
+     [("plugin", "must be one of entities, got 'layers'"),
+      ("plugin", "`layers` is not a plugin for the entity shards: declare the model under `models:`")]),
     ("embedding-dim-changed-live", mutated(setp("settings.embedding_dim", 128)), live_with(),
      [("settings.embedding_dim", "cannot change from 64 to 128 on a live cluster")]),
     ("bad-settings-fsync", mutated(setp("settings.fsync", "sometimes")), None,
@@ -413,7 +414,7 @@ def valid_docs(draw: st.DrawFn) -> tuple[dict[str, Any], Topology]:
         # Any replica may lead, and the file may list groups in any order.
         groups = tuple(GroupSpec(g.id, g.replicas[draw(st.integers(0, rf - 1))], g.replicas) for g in groups)
         file_order = draw(st.permutations(list(groups)))
-    plugin = draw(st.sampled_from(["entities", "layers"]))
+    plugin = "entities"
     doc: dict[str, Any] = {
         "cluster": "c-1", "shards": shards, "replication_factor": rf, "plugin": plugin,
         "meta": [{"id": m.id, "raft": m.raft, "http": m.http} for m in meta],
