@@ -43,6 +43,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from gateway.layer_route import RangeGroup
 from shardgrid.wire import ApiError
 from topology.routing import shard_for
 
@@ -192,6 +193,16 @@ class Hint:
     leader: str
 
 
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """A model the topology declares: its shape and the layer ranges of its groups."""
+
+    name: str
+    layers: int
+    d_model: int
+    groups: tuple[RangeGroup, ...]
+
+
 @dataclass(frozen=True)
 class RoutingTable:
     revision: int
@@ -202,6 +213,7 @@ class RoutingTable:
     groups: dict[int, GroupRoute]
     workers: dict[str, WorkerRoute]
     view: dict[str, Any] = field(repr=False, compare=False)  # what meta sent, for /cluster/*
+    models: dict[str, ModelRoute] = field(default_factory=dict)
 
     @classmethod
     def from_view(cls, view: dict[str, Any], url_scheme: str = "http") -> "RoutingTable":
@@ -228,6 +240,10 @@ class RoutingTable:
             groups=groups,
             workers=workers,
             view=view,
+            models={str(m["name"]): ModelRoute(str(m["name"]), int(m["layers"]), int(m["d_model"]),
+                                               tuple(RangeGroup(int(g["id"]), int(g["first"]), int(g["last"]))
+                                                     for g in m["groups"]))
+                    for m in topo.get("models") or ()},
         )
 
     def shard_for(self, entity_id: str) -> int:

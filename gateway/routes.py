@@ -58,6 +58,7 @@ from aiohttp import web
 from gateway.batching import ShardWrites, shard_writes, spread_results
 from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
+from gateway.models import MAX_WEIGHTS_BYTES, ModelApi
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
@@ -401,6 +402,7 @@ class Gateway:
         self.gateway_id = cfg.id or cfg.listen
         self.admission = AdmissionState()
         self._admission_task: asyncio.Task[None] | None = None
+        self.models = ModelApi(self)
 
     @property
     def rt(self) -> _Runtime:
@@ -408,7 +410,7 @@ class Gateway:
         return self._rt
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._edge, body_deadline],
+        app = web.Application(middlewares=[self._edge, self._large_bodies, body_deadline],
                               client_max_size=self.cfg.max_body_bytes)
         app[LOGGER_KEY] = self.log
         r = app.router
@@ -429,6 +431,7 @@ class Gateway:
         r.add_post("/cluster/shards/{gid}/replicas", self.replicas)
         r.add_get("/cluster/status", self.cluster_status)
         r.add_get("/cluster/shards", self.cluster_shards)
+        self.models.add_routes(app)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -503,6 +506,13 @@ class Gateway:
                               status=status, shard=trace.shard, leader=trace.leader, attempts=trace.attempts,
                               outcome=trace.outcome or ("ok" if status < 400 else str(status)),
                               ms=round(elapsed * 1000, 3), rid=trace.request_id)
+
+    @web.middleware
+    async def _large_bodies(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """A model's weights file is larger than any data request may be."""
+        if request.method == "POST" and request.path.startswith("/v1/models/") and request.path.endswith("/weights"):
+            request = request.clone(client_max_size=max(self.cfg.max_body_bytes, MAX_WEIGHTS_BYTES))
+        return await handler(request)
 
     # -- helpers
 

@@ -38,6 +38,16 @@ def _cluster_keys(args: argparse.Namespace, who: str) -> "ClusterKeys | None":
     return keys
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _cmd_meta(args: argparse.Namespace) -> int:
     from meta.process import MetaProcessConfig, main as meta_main, parse_peers
     from meta.raft import RaftPeer
@@ -87,7 +97,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
                        zone=args.zone, source_addr=args.source_addr, available_ram=ram, available_disk=disk,
-                       cluster_keys=keys, identity=current(), tls=tls_from_args(args))
+                       cluster_keys=keys, identity=current(), tls=tls_from_args(args),
+                       infer_max_rows=args.infer_max_rows, infer_max_wait_ms=args.infer_max_wait_ms)
     return worker_main(cfg)
 
 
@@ -177,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--available-disk", default=None, metavar="SIZE",
                    help="disk this worker offers the cluster (e.g. 50GB); advertised to meta at registration")
     add_tls_arguments(w)
+    w.add_argument("--infer-max-rows", type=_positive_int, default=64,
+                   help="rows a model group's forward pass batches at most (1: no batching; default 64)")
+    w.add_argument("--infer-max-wait-ms", type=float, default=2.0,
+                   help="the longest a request waits for others to batch with (default 2 ms; never past "
+                        "what its budget allows)")
     w.set_defaults(func=_cmd_worker)
 
     g = sub.add_parser("gateway", help="run one stateless gateway (the public API)")
@@ -214,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tls", action="store_true",
                    help="HTTPS on every listener, with a CA and certificate made for this run under DATA/tls")
     d.set_defaults(func=_cmd_dev)
+
+    from shardgrid.model_cli import add_model_arguments
+
+    mo = sub.add_parser("model", help="layer-sharded models: compute one in this process (`model run`)")
+    add_model_arguments(mo)
 
     from shardgrid.bench import add_bench_arguments
 

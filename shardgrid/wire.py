@@ -25,6 +25,7 @@ STATUS_FOR_CODE: dict[str, int] = {
     "not_leader": 503,
     "unavailable": 503,
     "overloaded": 503,
+    "over_budget": 503,  # a layers route that cannot finish within x-deadline-ms (refused at once)
     "quorum_timeout": 504,
     "deadline_exceeded": 504,
     "not_implemented": 501,

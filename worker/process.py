@@ -34,6 +34,7 @@ from shardgrid.log import setup_logging
 from shardgrid.serving import app_runner, cap_connections
 from shardgrid.tls import NO_TLS, Tls
 from topology.model import Settings, model_groups
+from worker.infer import DEFAULT_MAX_ROWS, DEFAULT_MAX_WAIT_MS, InferenceService, infer_warm
 from worker import replica_msgs as m
 from worker.capacity import Capacity, free_bytes, resident_bytes, tree_bytes
 from worker.group import GroupCorrupt, GroupSettings, GroupShell, PassStats
@@ -77,6 +78,10 @@ class WorkerConfig:
     cluster_keys: ClusterKeys | None = field(default=None, repr=False)
     identity: SoftwareIdentity = SoftwareIdentity("", "")
     tls: Tls = field(default=NO_TLS)
+    # Inference batching on `layers` groups (worker/infer_batch.py): rows per
+    # forward pass (1 turns batching off) and the longest a request waits for others.
+    infer_max_rows: int = DEFAULT_MAX_ROWS
+    infer_max_wait_ms: float = DEFAULT_MAX_WAIT_MS
 
 
 class _BatchingCollector:
@@ -121,6 +126,7 @@ class WorkerNode:
                                middlewares=signer)
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
+        self.infer = InferenceService(cfg.id, log, reg, cfg.infer_max_rows, cfg.infer_max_wait_ms)
         labels = ["group"]
         self._gauges = {
             name: Gauge(f"shardgrid_group_{name}", doc, labels, registry=reg)
@@ -329,7 +335,10 @@ class WorkerNode:
 
     def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
         s = topo["settings"]
-        plugin = load_plugin(*plugin_for(topo, gid))
+        name, plugin_settings = plugin_for(topo, gid)
+        plugin = load_plugin(name, plugin_settings)
+        if name == "layers":
+            self.infer.warm_up()
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"]),
@@ -501,6 +510,9 @@ class WorkerNode:
     def group_reports(self) -> dict[str, dict[str, Any]]:
         reports = {str(gid): {**shell.report(), "disk_bytes": self.group_bytes.get(gid, 0)}
                    for gid, shell in self.groups.items()}
+        for gid, shell in self.groups.items():
+            if shell.plugin.name == "layers":
+                reports[str(gid)]["infer"] = {**self.infer.report(gid), "warm": infer_warm(shell)}
         for gid, why in self.corrupt.items():
             reports[str(gid)] = {"state": "corrupt", "error": why}
         return reports
@@ -559,6 +571,7 @@ class WorkerNode:
                 await task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down: nothing left to report to
                 pass
+        await self.infer.close()
         for shell in self.groups.values():
             await shell.close()
         await self.transport.close()

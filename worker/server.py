@@ -27,6 +27,7 @@ from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import MalformedMessage, decode_message
 from worker.group import GroupOverloaded
+from worker.infer import MAX_REQUEST_ROWS, infer_warm
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -56,6 +57,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # refused rather than silently capped.
 MAX_WAIT_S = 60.0
 MAX_DEADLINE_MS = 3_600_000
+_INFER_KEYS = frozenset(("start", "end", "rows", "x", "deadline_ms"))
 NODE_KEY: web.AppKey["WorkerNode"] = web.AppKey("worker_node", object)  # type: ignore[arg-type]
 
 
@@ -217,13 +219,14 @@ class _Malformed:
 class WorkerApi:
     def __init__(self, node: "WorkerNode") -> None:
         self.node = node
-        self._call_ops = {"write": self.do_write, "write_batch": self.do_write_batch, "read": self.do_read}
+        self._call_ops = {"write": self.do_write, "write_batch": self.do_write_batch, "read": self.do_read,
+                          "infer": self.do_infer}
         self._streams: set[web.WebSocketResponse] = set()  # open raft and call streams, closed on shutdown
 
     def peer_policy(self) -> dict[str, frozenset[str]]:
         return {"/v1/raft": _WORKERS, STREAM_PATH: _WORKERS, CALLS_PATH: ANY_ROLE,
                 "/v1/groups/{gid}/write": ANY_ROLE, "/v1/groups/{gid}/write_batch": ANY_ROLE,
-                "/v1/groups/{gid}/read": ANY_ROLE,
+                "/v1/groups/{gid}/read": ANY_ROLE, "/v1/groups/{gid}/infer": ANY_ROLE,
                 # Leadership and membership move only by meta's decision (its operators, repair, transfer).
                 "/v1/groups/{gid}/transfer": _META, "/v1/groups/{gid}/members": _META, "/v1/assignments": _META,
                 "/v1/groups/{gid}/snapshot": _WORKERS, "/v1/groups/{gid}/snapshot/{seq}": _WORKERS}
@@ -248,6 +251,7 @@ class WorkerApi:
         r.add_post("/v1/groups/{gid}/write", self.write)
         r.add_post("/v1/groups/{gid}/write_batch", self.write_batch)
         r.add_post("/v1/groups/{gid}/read", self.read)
+        r.add_post("/v1/groups/{gid}/infer", self.infer)
         r.add_post("/v1/groups/{gid}/transfer", self.transfer)
         r.add_post("/v1/groups/{gid}/members", self.members)
         r.add_post("/v1/assignments", self.assignment)
@@ -390,6 +394,10 @@ class WorkerApi:
         shell = self._group(request)
         return self._respond(request, await self.do_read(shell, *await _sized_body(request)))
 
+    async def infer(self, request: web.Request) -> web.Response:
+        shell = self._group(request)
+        return self._respond(request, await self.do_infer(shell, *await _sized_body(request)))
+
     def _respond(self, request: web.Request, res: "CallResult") -> web.Response:
         resp = _answer(request, res.body, status=res.status)
         if res.shard is not None:
@@ -475,6 +483,34 @@ class WorkerApi:
             # read has only the leader.
             raise _overloaded(shell, exc, elsewhere=consistency == "follower") from None
         return self._outcome(shell, out)
+
+    async def do_infer(self, shell: Any, body: Any, size: int = 0) -> "CallResult":
+        """Run layers `start`..`end` of a model group over `rows` rows of float32 `x`.
+
+        Any replica serves it (no log entry, no leader): one that is warm
+        (`infer_warm`) answers with the version its weights are at.
+        """
+        if shell.plugin.name != "layers":
+            raise ApiError("bad_request", f"group {shell.gid} holds no model layers", shard=shell.gid)
+        if not isinstance(body, dict) or set(body) - _INFER_KEYS or not _INFER_KEYS - {"deadline_ms"} <= set(body):
+            raise ApiError("bad_request", "infer needs {\"start\", \"end\", \"rows\", \"x\", \"deadline_ms\"?}")
+        start, end, rows, x = body["start"], body["end"], body["rows"], body["x"]
+        if not all(type(v) is int for v in (start, end, rows)) or not isinstance(x, bytes):
+            raise ApiError("bad_request", "start, end and rows must be integers and x bytes of float32")
+        if not infer_warm(shell):
+            raise ApiError("unavailable", f"{self.node.id}'s replica of group {shell.gid} is not warm "
+                           "(opening, failed or behind its commit)", shard=shell.gid, retry_elsewhere=True)
+        weights = shell.plugin.current()
+        if not weights.first <= start <= end <= weights.last:
+            raise ApiError("bad_request", f"layers {start}-{end} are not within group {shell.gid}'s "
+                           f"{weights.first}-{weights.last}", shard=shell.gid)
+        if not 1 <= rows <= MAX_REQUEST_ROWS or len(x) != rows * weights.d_model * 4:
+            raise ApiError("bad_request", f"x must hold rows (1..{MAX_REQUEST_ROWS}) x {weights.d_model} float32 "
+                           f"values, got {len(x)} bytes for {rows} rows", shard=shell.gid)
+        out = await self.node.infer.infer(shell.gid, shell.plugin, start, end, x, rows, _timeout(body))
+        out["worker"] = self.node.id
+        r = shell.replica
+        return CallResult(200, out, shell.gid, r.term if r is not None else 0, r.applied_seq if r is not None else 0)
 
     def _ack(self, body: dict[str, Any]) -> str:
         ack = body.get("ack", self.node.default_ack)

@@ -1,0 +1,373 @@
+"""The gateway's model routes: inference through a layer-sharded model, weights updates, listing.
+
+`POST /v1/models/{name}/infer` with `{"input": [[d_model numbers], ...]}`
+plans a route (`gateway/layer_route.py`), then calls one replica per hop,
+handing each hop's float32 activations to the next. The answer is
+`{"output", "route", "tried"}` with `x-route` and `x-served-by` headers. A
+hop that fails is retried on the next replica of its group, then through
+other groups covering the layers left (the route is planned again from the
+layer where it stopped); everything within the request's `x-deadline-ms`.
+A route that cannot fit the budget is refused at once: 503 `over_budget`
+with the estimate.
+
+`POST /v1/models/{name}/weights` writes a new version through each group's
+log: `{"seed": N, "version"?: V}` regenerates the weights from a seed, a
+body of `application/octet-stream` is a weights file (the format of
+`worker/plugins/layers_model.py`, `?version=V` optional) of which each
+group is sent its own layers. Without a version the next one is taken (one
+more than the highest any group holds). Groups are updated one by one
+(there is no transaction across groups): the answer lists each group's
+result, and a retry with the same `x-request-id` and version finishes a
+partial update without applying anything twice.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import orjson
+from aiohttp import web
+
+from gateway.forward import AttemptFailed, Trace, WorkerReply
+from gateway.layer_route import (
+    Hop,
+    OverBudget,
+    ReplicaLoad,
+    Uncovered,
+    plan_hops,
+    plan_route,
+)
+from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable
+from shardgrid.wire import ApiError, json_response
+
+MAX_INFER_ROWS = 1024  # as the workers' worker/infer.py MAX_REQUEST_ROWS
+MAX_WEIGHTS_BYTES = 256 << 20
+WORKER_MAX_BATCH = 64  # the workers' default batch (rows); only used to estimate queueing
+SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
+EMA_ALPHA = 0.2
+WEIGHTS_FORMAT = "shardgrid-weights/1"
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError("bad_request", message)
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"malformed JSON: {exc}") from None
+
+
+def parse_input(body: Any, d_model: int) -> tuple[bytes, int]:
+    """`{"input": [[...], ...]}` as float32 bytes and its row count; 400 on anything else."""
+    if not isinstance(body, dict) or set(body) != {"input"}:
+        raise _bad('the body must be {"input": [[d_model numbers], ...]}')
+    rows = body["input"]
+    if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_INFER_ROWS:
+        raise _bad(f"input must be a list of 1 to {MAX_INFER_ROWS} rows")
+    flat: list[float] = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != d_model:
+            raise _bad(f"input[{i}] must be a list of {d_model} numbers (the model's d_model)")
+        for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise _bad(f"input[{i}][{j}] must be a finite number")
+        flat.extend(row)
+    try:
+        return struct.pack(f"<{len(flat)}f", *flat), len(rows)
+    except (OverflowError, struct.error):
+        raise _bad("input has a value outside the float32 range") from None
+
+
+def output_rows(raw: bytes, rows: int, d_model: int) -> list[list[float]]:
+    flat = struct.unpack(f"<{rows * d_model}f", raw)
+    return [list(flat[i * d_model:(i + 1) * d_model]) for i in range(rows)]
+
+
+def slice_weights(raw: bytes, first: int, last: int) -> bytes:
+    """The weights file for layers first..last out of one covering them (no torch here)."""
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise _bad(f"the weights file is not msgpack: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != WEIGHTS_FORMAT or not isinstance(doc.get("layers"), dict):
+        raise _bad(f"the weights file must be a {WEIGHTS_FORMAT!r} msgpack map with a 'layers' map")
+    layers = doc["layers"]
+    missing = [i for i in range(first, last + 1) if str(i) not in layers]
+    if missing:
+        raise _bad(f"the weights file lacks layers {', '.join(map(str, missing[:10]))}")
+    return msgpack.packb({"format": WEIGHTS_FORMAT, "d_model": doc.get("d_model"), "d_hidden": doc.get("d_hidden"),
+                          "layers": {str(i): layers[str(i)] for i in range(first, last + 1)}})
+
+
+@dataclass
+class _Seen:
+    """The gateway's own measure of one replica of one group."""
+
+    overhead_ms: float = 0.5
+    ms_per_layer: float = 0.05
+    queued: int = 0
+    failed_at: float = -math.inf
+
+
+class ModelLoads:
+    """What this gateway knows of the model replicas' load: its own calls in
+    flight, what the answers said, and the workers' heartbeat reports."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], _Seen] = {}
+        self.inflight: Counter[tuple[str, int]] = Counter()
+        self.forming: Counter[tuple[str, int, int]] = Counter()
+
+    def loads(self, table: RoutingTable, gid: int, start: int, now: float) -> list[ReplicaLoad]:
+        g = table.groups.get(gid)
+        if g is None:
+            return []
+        out = []
+        for wid in (*g.voters, *g.learners):
+            w = table.workers.get(wid)
+            if w is None or not w.addr or w.live is False:
+                continue
+            report = _infer_report(table, wid, gid)
+            seen = self.seen.get((wid, gid)) or _Seen()
+            warm = report.get("warm", True) is not False and now - seen.failed_at > SUSPECT_S
+            out.append(ReplicaLoad(wid, warm, max(seen.queued, int(report.get("queued") or 0)),
+                                   self.inflight[(wid, gid)], seen.ms_per_layer, seen.overhead_ms,
+                                   self.forming[(wid, gid, start)] > 0))
+        return out
+
+    def observe(self, wid: str, gid: int, hop: Hop, elapsed_ms: float, body: dict[str, Any]) -> None:
+        seen = self.seen.setdefault((wid, gid), _Seen())
+        compute = float(body.get("compute_ms") or 0.0)
+        per_layer = compute / max(1, hop.layers)
+        seen.ms_per_layer += EMA_ALPHA * (per_layer - seen.ms_per_layer)
+        seen.overhead_ms += EMA_ALPHA * (max(0.0, elapsed_ms - compute) - seen.overhead_ms)
+        seen.queued = int(body.get("queued") or 0)
+
+    def failed(self, wid: str, gid: int, now: float) -> None:
+        self.seen.setdefault((wid, gid), _Seen()).failed_at = now
+
+
+def _infer_report(table: RoutingTable, wid: str, gid: int) -> dict[str, Any]:
+    w = (table.view.get("workers") or {}).get(wid)
+    groups = ((w or {}).get("report") or {}).get("groups") if isinstance(w, dict) else None
+    rep = groups.get(str(gid)) if isinstance(groups, dict) else None
+    infer = rep.get("infer") if isinstance(rep, dict) else None
+    return infer if isinstance(infer, dict) else {}
+
+
+class ModelApi:
+    def __init__(self, gateway: Any) -> None:
+        # The Gateway (gateway/routes.py): its request options, routing table and forwarder.
+        self.gw = gateway
+        self.loads = ModelLoads()
+
+    def add_routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/v1/models", self.list_models)
+        r.add_get("/v1/models/{name}", self.get_model)
+        r.add_post("/v1/models/{name}/infer", self.infer)
+        r.add_post("/v1/models/{name}/weights", self.weights)
+
+    async def _model(self, request: web.Request) -> tuple[Any, Trace, RoutingTable, float, ModelRoute]:
+        opts, trace = self.gw._begin(request)
+        table, deadline = await self.gw._table(opts)
+        name = request.match_info["name"]
+        model = table.models.get(name)
+        if model is None:
+            known = ", ".join(sorted(table.models)) or "none"
+            raise ApiError("not_found", f"no model {name!r} in the topology (models: {known})")
+        return opts, trace, table, deadline, model
+
+    # -- listing
+
+    def _describe(self, table: RoutingTable, model: ModelRoute) -> dict[str, Any]:
+        groups = []
+        for g in model.groups:
+            route = table.groups.get(g.gid)
+            replicas = []
+            for wid in (*(route.voters if route else ()), *(route.learners if route else ())):
+                rep = _infer_report(table, wid, g.gid)
+                w = table.workers.get(wid)
+                replicas.append({"worker": wid, "live": w.live if w else None, "warm": rep.get("warm"),
+                                 "version": rep.get("version"), "queued": rep.get("queued"),
+                                 "ms_per_layer": rep.get("ms_per_layer")})
+            groups.append({"id": g.gid, "first": g.first, "last": g.last,
+                           "leader": route.leader if route else None, "replicas": replicas})
+        return {"name": model.name, "layers": model.layers, "d_model": model.d_model, "groups": groups}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        opts, _ = self.gw._begin(request)
+        table, _ = await self.gw._table(opts)
+        return json_response({"models": [self._describe(table, m) for _, m in sorted(table.models.items())]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        _, _, table, _, model = await self._model(request)
+        return json_response(self._describe(table, model))
+
+    # -- inference
+
+    async def infer(self, request: web.Request) -> web.Response:
+        opts, trace, table, deadline, model = await self._model(request)
+        x, rows = parse_input(_json(await request.read()), model.d_model)
+        loop = asyncio.get_running_loop()
+        budget_ms = (deadline - loop.time() - RESPONSE_MARGIN_S) * 1000
+        hops = self._plan(model, 0, set())
+        planned = plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
+                            budget_ms, WORKER_MAX_BATCH)
+        if isinstance(planned, OverBudget):
+            trace.outcome = "over_budget"
+            raise ApiError("over_budget", f"no route through model {model.name!r} fits the budget: about "
+                           f"{planned.estimate_ms:.1f} ms for {len(hops)} hops, {max(0.0, budget_ms):.1f} ms left",
+                           estimate_ms=round(planned.estimate_ms, 3), budget_ms=round(max(0.0, budget_ms), 3))
+        route: list[dict[str, Any]] = []
+        tried: list[dict[str, Any]] = []
+        avoid: set[int] = set()
+        pos = 0
+        queue = list(planned)
+        while pos < model.layers:
+            if not queue:
+                hops = self._plan(model, pos, avoid, tried)
+                queue = list(plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
+                                       math.inf, WORKER_MAX_BATCH))
+            step = queue.pop(0)
+            out = await self._hop(table, step.hop, [c.worker for c in step.choices], x, rows, deadline, trace, tried)
+            if out is None:
+                # Every replica of this group failed: go round it from here.
+                avoid.add(step.hop.gid)
+                queue = []
+                continue
+            x, entry = out
+            route.append(entry)
+            pos = step.hop.end + 1
+        trace.outcome = "ok"
+        headers = {"x-route": ",".join(f"{e['group']}@{e['worker']}:{e['start_layer']}-{e['end_layer']}"
+                                       for e in route),
+                   "x-served-by": ",".join(e["worker"] for e in route)}
+        return json_response({"output": output_rows(x, rows, model.d_model), "route": route, "tried": tried},
+                             headers=headers)
+
+    def _plan(self, model: ModelRoute, pos: int, avoid: set[int],
+              tried: list[dict[str, Any]] | None = None) -> list[Hop]:
+        try:
+            return plan_route(model.name, model.groups, model.layers, pos, avoid)
+        except Uncovered as exc:
+            raise ApiError("unavailable", f"{exc}: every replica tried failed", tried=tried or None) from None
+
+    async def _hop(self, table: RoutingTable, hop: Hop, workers: list[str], x: bytes, rows: int, deadline: float,
+                   trace: Trace, tried: list[dict[str, Any]]) -> tuple[bytes, dict[str, Any]] | None:
+        """Run one hop on the first replica that answers; None when none did."""
+        loop = asyncio.get_running_loop()
+        for wid in workers:
+            remaining = deadline - loop.time() - RESPONSE_MARGIN_S
+            if remaining < MIN_ATTEMPT_S:
+                raise ApiError("deadline_exceeded", f"the budget ran out at layer {hop.start} (group {hop.gid})",
+                               tried=tried)
+            target = table.target(wid)
+            if target is None:
+                continue
+            trace.attempts += 1
+            trace.leader = wid
+            key, form = (wid, hop.gid), (wid, hop.gid, hop.start)
+            self.loads.inflight[key] += 1
+            self.loads.forming[form] += 1
+            t0 = time.monotonic()
+            body = {"start": hop.start, "end": hop.end, "rows": rows, "x": x,
+                    "deadline_ms": max(1.0, (remaining - WORKER_MARGIN_S) * 1000)}
+            try:
+                reply: WorkerReply | None = await self.gw.rt.fwd.calls.call(target, "infer", hop.gid, body, remaining)
+                problem = None if reply.ok else f"{reply.code}: {reply.error.get('message', '')}"
+            except AttemptFailed as exc:
+                reply, problem = None, str(exc)
+            finally:
+                _decrement(self.loads.inflight, key)
+                _decrement(self.loads.forming, form)
+            elapsed_ms = (time.monotonic() - t0) * 1000
+            if reply is not None and reply.ok and isinstance(reply.body.get("y"), bytes):
+                self.loads.observe(wid, hop.gid, hop, elapsed_ms, reply.body)
+                tried.append({"group": hop.gid, "worker": wid, "ok": True})
+                b = reply.body
+                return b["y"], {"group": hop.gid, "worker": wid, "start_layer": hop.start, "end_layer": hop.end,
+                                "version": b.get("version"), "batch": b.get("batch"),
+                                "queue_ms": b.get("queue_ms"), "compute_ms": b.get("compute_ms")}
+            if reply is not None and reply.code == "bad_request":
+                raise ApiError("internal", f"worker {wid} refused hop {hop.start}-{hop.end} of group {hop.gid}: "
+                               f"{problem}")
+            self.loads.failed(wid, hop.gid, time.monotonic())
+            tried.append({"group": hop.gid, "worker": wid, "ok": False, "error": problem or "malformed answer"})
+        return None
+
+    # -- weights
+
+    async def weights(self, request: web.Request) -> web.Response:
+        opts, trace, table, deadline, model = await self._model(request)
+        raw = await request.read()
+        version: Any = request.query.get("version")
+        seed: int | None = None
+        upload: bytes | None = None
+        if request.content_type == "application/octet-stream":
+            upload = raw
+            if version is not None:
+                if not version.isdigit():
+                    raise _bad(f"version must be a positive integer, got {version!r}")
+                version = int(version)
+        else:
+            body = _json(raw)
+            if not isinstance(body, dict) or not set(body) <= {"seed", "version"} or "seed" not in body:
+                raise _bad('the body must be {"seed": N, "version"?: V}, or a weights file sent as '
+                           "application/octet-stream")
+            seed, version = body["seed"], body.get("version")
+            if type(seed) is not int or not 0 <= seed < 2**63:
+                raise _bad("seed must be an integer in 0..2**63-1")
+        if version is not None and (type(version) is not int or not 1 <= version < 2**63):
+            raise _bad("version must be an integer >= 1")
+        parts = {g.gid: slice_weights(upload, g.first, g.last) for g in model.groups} if upload is not None else {}
+        if version is None:
+            version = await self._next_version(model, deadline, trace)
+        results = []
+        failed = 0
+        for g in model.groups:
+            op: dict[str, Any] = {"kind": "set_weights", "version": version}
+            if upload is not None:
+                op["weights"] = parts[g.gid]
+            else:
+                op["seed"] = seed
+            reply = await self.gw.rt.fwd.write(g.gid, op, f"{opts.request_id}#g{g.gid}", "quorum", deadline, trace,
+                                               len(parts.get(g.gid, b"")))
+            if reply.ok:
+                results.append({"group": g.gid, "version": version, "seq": reply.seq})
+            else:
+                failed += 1
+                results.append({"group": g.gid, **reply.body})
+        body = {"model": model.name, "version": version, "groups": results}
+        if failed:
+            status = 409 if all(r.get("error", {}).get("code") == "bad_request" for r in results if "error" in r) \
+                else 503
+            body["error"] = {"code": "conflict" if status == 409 else "unavailable",
+                             "message": f"{failed} of {len(results)} groups did not take version {version}; the others "
+                                        "did: retry with the same x-request-id and version to finish"}
+            return json_response(body, status=status)
+        return json_response(body)
+
+    async def _next_version(self, model: ModelRoute, deadline: float, trace: Trace) -> int:
+        highest = 0
+        for g in model.groups:
+            reply = await self.gw.rt.fwd.read(g.gid, {"kind": "info"}, "strong", 0, deadline, trace)
+            if not reply.ok:
+                raise ApiError(reply.code or "unavailable", f"could not read group {g.gid}'s weights version: "
+                               f"{reply.error.get('message')}")
+            highest = max(highest, int((reply.result or {}).get("version") or 0))
+        return highest + 1
+
+
+def _decrement(counter: Counter[Any], key: Any) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
