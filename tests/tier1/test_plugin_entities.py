@@ -85,7 +85,7 @@ def random_ops(rng: random.Random, n: int, dim: int = DIM) -> list[dict[str, Any
 
 
 def test_registry() -> None:
-    assert available_plugins() == ("entities",)
+    assert available_plugins() == ("entities", "layers")
     p = load_plugin("entities", PluginSettings())
     assert isinstance(p, Plugin) and p.name == "entities"
     assert load_plugin("entities").settings == PluginSettings()  # type: ignore[attr-defined]

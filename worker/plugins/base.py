@@ -122,12 +122,32 @@ class PluginSettings:
     embedding_dim: int = 64
     max_item_bytes: int = 1 << 20  # of the doc's JSON (orjson) encoding
     max_id_len: int = 256  # in UTF-8 bytes, for item/entity/embedding ids and signal names
+    # The `layers` plugin's: the topology's model dict ({"layers", "d_model",
+    # "d_hidden", "seed", ...}) and the inclusive range of layers this group holds.
+    model: Mapping[str, Any] | None = None
+    layer_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("embedding_dim", "max_item_bytes", "max_id_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PluginSettings.{name} must be a positive int, got {value!r}")
+        if self.model is not None:
+            if not isinstance(self.model, Mapping):
+                raise ValueError(f"PluginSettings.model must be a mapping, got {type(self.model).__name__}")
+            # A read-only copy: the settings are shared and must not change under a plugin.
+            object.__setattr__(self, "model", MappingProxyType(dict(self.model)))
+        if self.layer_range is not None:
+            r = self.layer_range
+            if not (isinstance(r, (tuple, list)) and len(r) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in r) and 0 <= r[0] <= r[1]):
+                raise ValueError(f"PluginSettings.layer_range must be (first, last) ints with "
+                                 f"0 <= first <= last, got {r!r}")
+            layers = self.model.get("layers") if self.model is not None else None
+            if isinstance(layers, int) and r[1] >= layers:
+                raise ValueError(f"PluginSettings.layer_range {tuple(r)} is beyond the model's "
+                                 f"{layers} layers (0..{layers - 1})")
+            object.__setattr__(self, "layer_range", (int(r[0]), int(r[1])))
 
 
 SnapshotWriter = Callable[[Path], None]
@@ -210,6 +230,7 @@ class Plugin(Protocol):
 # imports a plugin (or torch) it does not run.
 _FACTORIES: Mapping[str, str] = MappingProxyType({
     "entities": "worker.plugins.entities:EntitiesPlugin",
+    "layers": "worker.plugins.layers:LayersPlugin",
 })
 
 
