@@ -350,9 +350,10 @@ class ModelApi:
         if failed:
             status = 409 if all(r.get("error", {}).get("code") == "bad_request" for r in results if "error" in r) \
                 else 503
+            rest = "none did" if failed == len(results) else \
+                "the others did: retry with the same x-request-id and version to finish"
             body["error"] = {"code": "conflict" if status == 409 else "unavailable",
-                             "message": f"{failed} of {len(results)} groups did not take version {version}; the others "
-                                        "did: retry with the same x-request-id and version to finish"}
+                             "message": f"{failed} of {len(results)} groups did not take version {version}; {rest}"}
             return json_response(body, status=status)
         return json_response(body)
 

@@ -23,10 +23,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from shardgrid.wire import ApiError
 from worker.infer_batch import PassCost, Waiting, plan_batch
+from worker.plugins.base import import_torch
 
 DEFAULT_MAX_ROWS = 64
 DEFAULT_MAX_WAIT_MS = 2.0
 MAX_REQUEST_ROWS = 1024
+GAP_ALPHA = 0.2
 
 
 @dataclass
@@ -45,6 +47,9 @@ class _Queue:
     plugin: Any
     items: list[_Request] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # EMA of the time between arrivals; starts "rare", so a lone request is not held.
+    gap_s: float = 1.0
+    last_arrival: float | None = None
     task: asyncio.Task[None] | None = None
 
 
@@ -104,6 +109,9 @@ class InferenceService:
         if q is None or q.plugin is not plugin:
             q = self._queues[key] = _Queue(gid, start, end, plugin)
         req = _Request(x, rows, Waiting(rows, now + timeout_s, now), loop.create_future())
+        if q.last_arrival is not None:
+            q.gap_s += GAP_ALPHA * (min(1.0, now - q.last_arrival) - q.gap_s)
+        q.last_arrival = now
         q.items.append(req)
         self._busy[gid] = self._busy.get(gid, 0) + 1
         q.wake.set()
@@ -121,7 +129,7 @@ class InferenceService:
             q.wake.clear()
             now = time.monotonic()
             plan = plan_batch([r.waiting for r in q.items], now, lambda rows: cost.seconds(rows, layers),
-                              self.max_rows, self.max_wait_s)
+                              self.max_rows, self.max_wait_s, q.gap_s)
             for i in plan.expired:
                 r = q.items[i]
                 self._refused.labels("over_budget").inc()
@@ -195,7 +203,7 @@ def infer_warm(shell: Any) -> bool:
 
 
 def _init_thread() -> None:
-    import torch
+    torch = import_torch()
 
     # One intra-op thread: the pass already has a thread of its own, and the
     # event loop needs the other core.
@@ -204,8 +212,7 @@ def _init_thread() -> None:
 
 def _forward(weights: Any, parts: list[tuple[bytes, int]], start: int, end: int) -> list[bytes]:
     """Runs on the compute thread: one pass over every request's rows."""
-    import torch
-
+    torch = import_torch()
     from worker.plugins.layers_model import tensor_from_bytes, tensor_to_bytes
 
     d = weights.d_model

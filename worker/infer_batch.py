@@ -31,9 +31,11 @@ class BatchPlan:
 
 
 def plan_batch(queue: Sequence[Waiting], now: float, cost_s: Callable[[int], float], max_rows: int,
-               max_wait_s: float) -> BatchPlan:
+               max_wait_s: float, expected_gap_s: float = 0.0) -> BatchPlan:
     """`cost_s(rows)` estimates one pass over `rows` rows; `max_rows` bounds a
-    pass (a single request larger than it runs alone)."""
+    pass (a single request larger than it runs alone). `expected_gap_s` is
+    the usual time between arrivals: when the next one is not expected
+    within `max_wait_s`, waiting would only add latency, so the batch runs."""
     expired = tuple(i for i, w in enumerate(queue) if now + cost_s(w.rows) > w.deadline)
     live = [i for i in range(len(queue)) if i not in expired]
     if not live:
@@ -45,8 +47,9 @@ def plan_batch(queue: Sequence[Waiting], now: float, cost_s: Callable[[int], flo
             break
         batch.append(i)
         rows += queue[i].rows
-    if rows >= max_rows or len(batch) < len(live):
-        return BatchPlan(tuple(batch), expired, now)  # full: nothing to wait for
+    if rows >= max_rows or len(batch) < len(live) or expected_gap_s > max_wait_s:
+        # Full, or nobody is expected to join: nothing to wait for.
+        return BatchPlan(tuple(batch), expired, now)
     latest = min(queue[i].deadline for i in batch) - cost_s(max_rows)
     wake = min(latest, min(queue[i].arrived for i in batch) + max_wait_s)
     if wake <= now:

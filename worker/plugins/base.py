@@ -225,6 +225,17 @@ class Plugin(Protocol):
         ...
 
 
+def import_torch() -> Any:
+    """torch, imported quietly: without numpy installed (shardgrid needs none)
+    torch warns on import that it could not initialise NumPy."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        import torch
+    return torch
+
+
 # name -> "module:factory". Strings, imported on use: the registry stays
 # immutable, base.py has no import cycle with the plugins, and a process never
 # imports a plugin (or torch) it does not run.

@@ -92,7 +92,8 @@ import xxhash
 
 from shardgrid.ids import id_problem
 from shardgrid.wire import short_repr
-from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter, Unappliable
+from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter, Unappliable, \
+    import_torch
 
 FORMAT = "shardgrid.entities"
 FORMAT_VERSION = 1
@@ -354,7 +355,7 @@ def _capacity_for(rows: int) -> int:
 
 def _torch() -> Any:
     """torch, imported on first use: it costs seconds, and only search needs it."""
-    import torch
+    torch = import_torch()
 
     if sys.byteorder != "little":
         # The float files and buffers are little-endian; frombuffer is native.

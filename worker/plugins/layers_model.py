@@ -52,8 +52,11 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import msgpack
-import torch
 import xxhash
+
+from worker.plugins.base import import_torch
+
+torch = import_torch()
 
 WEIGHTS_FORMAT = "shardgrid-weights/1"
 TENSOR_NAMES = ("w1", "b1", "w2", "b2", "gain")
