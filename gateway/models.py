@@ -44,12 +44,17 @@ from gateway.layer_route import (
     plan_route,
 )
 from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable
+from meta.client import MetaUnreachable
 from shardgrid.wire import ApiError, json_response
 
 MAX_INFER_ROWS = 1024  # as the workers' worker/infer.py MAX_REQUEST_ROWS
 MAX_WEIGHTS_BYTES = 256 << 20
 WORKER_MAX_BATCH = 64  # the workers' default batch (rows); only used to estimate queueing
 SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
+# The heartbeat reports in a routing table are as old as the table: the
+# gateway adopts a new one only when meta's revision changes. Past this age
+# they say nothing any more (the gateway's own observations still do).
+REPORT_FRESH_S = 5.0
 EMA_ALPHA = 0.2
 WEIGHTS_FORMAT = "shardgrid-weights/1"
 
@@ -122,6 +127,7 @@ class ModelLoads:
     flight, what the answers said, and the workers' heartbeat reports."""
 
     def __init__(self) -> None:
+        self._table_at: tuple[int, float] = (-1, 0.0)  # (revision, when this gateway first used it)
         self.seen: dict[tuple[str, int], _Seen] = {}
         self.inflight: Counter[tuple[str, int]] = Counter()
         self.forming: Counter[tuple[str, int, int]] = Counter()
@@ -130,12 +136,15 @@ class ModelLoads:
         g = table.groups.get(gid)
         if g is None:
             return []
+        if self._table_at[0] != table.revision:
+            self._table_at = (table.revision, now)
+        fresh = now - self._table_at[1] <= REPORT_FRESH_S
         out = []
         for wid in (*g.voters, *g.learners):
             w = table.workers.get(wid)
             if w is None or not w.addr or w.live is False:
                 continue
-            report = _infer_report(table, wid, gid)
+            report = _infer_report(table.view, wid, gid) if fresh else {}
             seen = self.seen.get((wid, gid)) or _Seen()
             warm = report.get("warm", True) is not False and now - seen.failed_at > SUSPECT_S
             out.append(ReplicaLoad(wid, warm, max(seen.queued, int(report.get("queued") or 0)),
@@ -155,8 +164,8 @@ class ModelLoads:
         self.seen.setdefault((wid, gid), _Seen()).failed_at = now
 
 
-def _infer_report(table: RoutingTable, wid: str, gid: int) -> dict[str, Any]:
-    w = (table.view.get("workers") or {}).get(wid)
+def _infer_report(view: dict[str, Any], wid: str, gid: int) -> dict[str, Any]:
+    w = (view.get("workers") or {}).get(wid)
     groups = ((w or {}).get("report") or {}).get("groups") if isinstance(w, dict) else None
     rep = groups.get(str(gid)) if isinstance(groups, dict) else None
     infer = rep.get("infer") if isinstance(rep, dict) else None
@@ -188,13 +197,22 @@ class ModelApi:
 
     # -- listing
 
-    def _describe(self, table: RoutingTable, model: ModelRoute) -> dict[str, Any]:
+    async def _fresh_view(self, table: RoutingTable) -> dict[str, Any]:
+        """Meta's view now (its heartbeat reports are current), else the table's."""
+        try:
+            status, body, _ = await self.gw.rt.meta.request("GET", "/v1/cluster", deadline_s=2.0,
+                                                            attempt_timeout_s=1.0)
+        except MetaUnreachable:
+            return table.view
+        return body if status == 200 and isinstance(body, dict) else table.view
+
+    def _describe(self, table: RoutingTable, view: dict[str, Any], model: ModelRoute) -> dict[str, Any]:
         groups = []
         for g in model.groups:
             route = table.groups.get(g.gid)
             replicas = []
             for wid in (*(route.voters if route else ()), *(route.learners if route else ())):
-                rep = _infer_report(table, wid, g.gid)
+                rep = _infer_report(view, wid, g.gid)
                 w = table.workers.get(wid)
                 replicas.append({"worker": wid, "live": w.live if w else None, "warm": rep.get("warm"),
                                  "version": rep.get("version"), "queued": rep.get("queued"),
@@ -206,11 +224,12 @@ class ModelApi:
     async def list_models(self, request: web.Request) -> web.Response:
         opts, _ = self.gw._begin(request)
         table, _ = await self.gw._table(opts)
-        return json_response({"models": [self._describe(table, m) for _, m in sorted(table.models.items())]})
+        view = await self._fresh_view(table)
+        return json_response({"models": [self._describe(table, view, m) for _, m in sorted(table.models.items())]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         _, _, table, _, model = await self._model(request)
-        return json_response(self._describe(table, model))
+        return json_response(self._describe(table, await self._fresh_view(table), model))
 
     # -- inference
 

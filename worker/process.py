@@ -512,7 +512,8 @@ class WorkerNode:
                    for gid, shell in self.groups.items()}
         for gid, shell in self.groups.items():
             if shell.plugin.name == "layers":
-                reports[str(gid)]["infer"] = {**self.infer.report(gid), "warm": infer_warm(shell)}
+                reports[str(gid)]["infer"] = {**self.infer.report(gid), "warm": infer_warm(shell),
+                                              "version": shell.plugin.stats().get("version")}
         for gid, why in self.corrupt.items():
             reports[str(gid)] = {"state": "corrupt", "error": why}
         return reports
