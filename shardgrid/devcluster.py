@@ -359,6 +359,13 @@ def run_dev(opts: DevOptions) -> int:
         _say(f"    {curl} -XPUT {gw}/embeddings/e1 -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})')}}\""
              f" && {curl} -XPOST {gw}/search -d \"{{\\\"vector\\\": $(python3 -c 'print([0.5]*{dim})'), "
              f"\\\"k\\\": 3}}\"")
+        for model in cluster.topo.models:
+            ranges = ", ".join(f"group {g.id}: {g.first}-{g.last}" for g in model.groups)
+            _say(f"  model '{model.name}': {model.layers} layers, d_model {model.d_model} ({ranges})")
+            _say(f"    {curl} -XPOST {gw}/v1/models/{model.name}/infer -d \"{{\\\"input\\\": "
+                 f"[$(python3 -c 'print([0.5]*{model.d_model})')]}}\"")
+            _say(f"    {curl} -XPOST {gw}/v1/models/{model.name}/weights -d '{{\"seed\": 42}}'   "
+                 "# a new version through every group's log")
         tls_arg = "" if pki is None else f" --tls-ca {pki.ca}"
         _say(f"    .venv/bin/topoctl --meta {','.join(cluster.meta_addrs)}{tls_arg} status")
         data_arg = "" if str(opts.data) == DEFAULT_DATA else f" --data {opts.data}"

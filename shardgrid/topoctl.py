@@ -33,6 +33,7 @@ from shardgrid.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
+from topology.model import model_groups
 
 DEFAULT_META = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
 EXIT_REJECTED = 1
@@ -229,17 +230,19 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"{n['id']:<8} {n['http']:<22} {state:<10} {n.get('revision', '-'):>8}")
     lines.append("")
     rates = group_write_rates(st)
+    holds = {gid: f"{m['name']} {g['first']}-{g['last']}" for gid, (m, g) in model_groups(topo).items()}
     lines.append(f"{'GROUP':<6} {'TERM':>5} {'LEADER':<10} {'READY':<6} {'PREFERRED':<10} {'VOTERS':<24} "
-                 f"{'LEARNERS':<12} WRITES/S")
+                 f"{'LEARNERS':<12} WRITES/S" + ("  MODEL LAYERS" if holds else ""))
     for gid, g in sorted(st["groups"].items(), key=lambda kv: int(kv[0])):
         # A '*' marks a group away from its preferred leader (leader balance moves it back).
         pref = g.get("preferred_leader") or "-"
         if g.get("preferred_leader") and g["preferred_leader"] != g["leader"]:
             pref += "*"
         rate = rates.get(str(gid))
+        rate_s = "?" if rate is None else f"{rate:.0f}"
         lines.append(f"{gid:<6} {g['term']:>5} {g['leader'] or '-':<10} {'yes' if g['ready'] else 'no':<6} "
                      f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-':<12} "
-                     f"{'?' if rate is None else f'{rate:.0f}'}")
+                     + (f"{rate_s:<8}  {holds.get(int(gid), '-')}" if holds else rate_s))
     lines.append("")
     lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'ADMISSION':<9} {'LIVE':<5} {'GROUPS':>6} "
                  f"{'LEADS':>5} {'WRITES/S':>8}  {'VERSION':<24} CAPACITY")

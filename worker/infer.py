@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from shardgrid.wire import ApiError
+from worker.group import now_ms
 from worker.infer_batch import PassCost, Waiting, plan_batch
 from worker.plugins.base import import_torch
 
@@ -195,11 +196,18 @@ class InferenceService:
 
 
 def infer_warm(shell: Any) -> bool:
-    """A replica may serve inference: open, not failed, and applied up to
-    what it knows is committed (a weights update it has not applied yet would
-    be served at the old version)."""
+    """A replica may serve inference: open, not failed, applied up to what it
+    knows is committed, and in touch with its group within a lease (a leader
+    with its quorum, a follower that heard from its leader), so that a
+    replica cut off from its group does not go on serving weights an update
+    has since replaced."""
     r = shell.replica
-    return r is not None and shell.failed is None and r.applied_seq >= r.commit_seq
+    if r is None or shell.failed is not None or r.applied_seq < r.commit_seq:
+        return False
+    if r.role in ("leader", "candidate"):
+        return bool(r.ready and r.has_quorum)
+    heard = r.leader_heard_at
+    return heard is not None and now_ms() - heard <= shell.settings.lease_ms
 
 
 def _init_thread() -> None:
