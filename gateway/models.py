@@ -28,6 +28,7 @@ import struct
 import time
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -43,7 +44,7 @@ from gateway.layer_route import (
     plan_hops,
     plan_route,
 )
-from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable
+from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable, Target
 from meta.client import MetaUnreachable
 from shardgrid.wire import ApiError, json_response
 
@@ -172,11 +173,15 @@ def _infer_report(view: dict[str, Any], wid: str, gid: int) -> dict[str, Any]:
     return infer if isinstance(infer, dict) else {}
 
 
+CallWorker = Callable[[Target, str, int, dict[str, Any], float], Awaitable[WorkerReply]]
+
+
 class ModelApi:
-    def __init__(self, gateway: Any) -> None:
+    def __init__(self, gateway: Any, call: CallWorker | None = None) -> None:
         # The Gateway (gateway/routes.py): its request options, routing table and forwarder.
         self.gw = gateway
         self.loads = ModelLoads()
+        self._call = call  # None: the gateway's worker call streams
 
     def add_routes(self, app: web.Application) -> None:
         r = app.router
@@ -236,6 +241,17 @@ class ModelApi:
     async def infer(self, request: web.Request) -> web.Response:
         opts, trace, table, deadline, model = await self._model(request)
         x, rows = parse_input(_json(await request.read()), model.d_model)
+        x, route, tried = await self.run_route(table, model, x, rows, deadline, trace)
+        trace.outcome = "ok"
+        headers = {"x-route": ",".join(f"{e['group']}@{e['worker']}:{e['start_layer']}-{e['end_layer']}"
+                                       for e in route),
+                   "x-served-by": ",".join(e["worker"] for e in route)}
+        return json_response({"output": output_rows(x, rows, model.d_model), "route": route, "tried": tried},
+                             headers=headers)
+
+    async def run_route(self, table: RoutingTable, model: ModelRoute, x: bytes, rows: int, deadline: float,
+                        trace: Trace) -> tuple[bytes, list[dict[str, Any]], list[dict[str, Any]]]:
+        """(the last hop's activations, the route taken, every attempt) by loop-time `deadline`."""
         loop = asyncio.get_running_loop()
         budget_ms = (deadline - loop.time() - RESPONSE_MARGIN_S) * 1000
         hops = self._plan(model, 0, set())
@@ -266,12 +282,7 @@ class ModelApi:
             x, entry = out
             route.append(entry)
             pos = step.hop.end + 1
-        trace.outcome = "ok"
-        headers = {"x-route": ",".join(f"{e['group']}@{e['worker']}:{e['start_layer']}-{e['end_layer']}"
-                                       for e in route),
-                   "x-served-by": ",".join(e["worker"] for e in route)}
-        return json_response({"output": output_rows(x, rows, model.d_model), "route": route, "tried": tried},
-                             headers=headers)
+        return x, route, tried
 
     def _plan(self, model: ModelRoute, pos: int, avoid: set[int],
               tried: list[dict[str, Any]] | None = None) -> list[Hop]:
@@ -301,7 +312,8 @@ class ModelApi:
             body = {"start": hop.start, "end": hop.end, "rows": rows, "x": x,
                     "deadline_ms": max(1.0, (remaining - WORKER_MARGIN_S) * 1000)}
             try:
-                reply: WorkerReply | None = await self.gw.rt.fwd.calls.call(target, "infer", hop.gid, body, remaining)
+                call = self._call if self._call is not None else self.gw.rt.fwd.calls.call
+                reply: WorkerReply | None = await call(target, "infer", hop.gid, body, remaining)
                 problem = None if reply.ok else f"{reply.code}: {reply.error.get('message', '')}"
             except AttemptFailed as exc:
                 reply, problem = None, str(exc)
