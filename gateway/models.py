@@ -83,7 +83,8 @@ def parse_input(body: Any, d_model: int) -> tuple[bytes, int]:
         if not isinstance(row, list) or len(row) != d_model:
             raise _bad(f"input[{i}] must be a list of {d_model} numbers (the model's d_model)")
         for j, v in enumerate(row):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    (isinstance(v, float) and not math.isfinite(v)):
                 raise _bad(f"input[{i}][{j}] must be a finite number")
         flat.extend(row)
     try:

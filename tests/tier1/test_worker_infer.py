@@ -111,6 +111,8 @@ def test_input_rows_become_float32_bytes_and_back() -> None:
     ({"input": [[*row(0)[:15], "x"]]}, "input[0][15] must be a finite number"),
     ({"input": [[*row(0)[:15], True]]}, "input[0][15] must be a finite number"),
     ({"input": [[*row(0)[:15], 1e39]]}, "outside the float32 range"),
+    ({"input": [[*row(0)[:15], 10**400]]}, "outside the float32 range"),
+    ({"input": [[*row(0)[:15], float("nan")]]}, "input[0][15] must be a finite number"),
     ({"rows": []}, 'the body must be {"input"'),
     ([], 'the body must be {"input"'),
 ])
