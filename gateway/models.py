@@ -255,9 +255,16 @@ class ModelApi:
         """(the last hop's activations, the route taken, every attempt) by loop-time `deadline`."""
         loop = asyncio.get_running_loop()
         budget_ms = (deadline - loop.time() - RESPONSE_MARGIN_S) * 1000
-        hops = self._plan(model, 0, set())
-        planned = plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
-                            budget_ms, WORKER_MAX_BATCH)
+        avoid: set[int] = set()
+        while True:
+            hops = self._plan(model, 0, avoid)
+            planned = plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
+                                budget_ms, WORKER_MAX_BATCH)
+            steps = planned.hops if isinstance(planned, OverBudget) else planned
+            empty = {p.hop.gid for p in steps if not p.choices}
+            if not empty:
+                break
+            avoid |= empty  # no live replica: route around those groups from the start
         if isinstance(planned, OverBudget):
             trace.outcome = "over_budget"
             raise ApiError("over_budget", f"no route through model {model.name!r} fits the budget: about "
@@ -265,7 +272,6 @@ class ModelApi:
                            estimate_ms=round(planned.estimate_ms, 3), budget_ms=round(max(0.0, budget_ms), 3))
         route: list[dict[str, Any]] = []
         tried: list[dict[str, Any]] = []
-        avoid: set[int] = set()
         pos = 0
         queue = list(planned)
         while pos < model.layers:
@@ -274,6 +280,10 @@ class ModelApi:
                 queue = list(plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
                                        math.inf, WORKER_MAX_BATCH))
             step = queue.pop(0)
+            if not step.choices:
+                avoid.add(step.hop.gid)
+                queue = []
+                continue
             out = await self._hop(table, step.hop, [c.worker for c in step.choices], x, rows, deadline, trace, tried)
             if out is None:
                 # Every replica of this group failed: go round it from here.

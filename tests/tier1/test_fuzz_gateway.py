@@ -85,6 +85,22 @@ BAD_VECTOR = st.one_of(
         lambda t: [t[1] if i == t[0] else 0.5 for i in range(DIM)]),
 )
 
+def seed_ok(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 2**63
+
+
+def rows_ok(v: Any) -> bool:
+    return isinstance(v, list) and 1 <= len(v) <= 1024 and all(
+        isinstance(r, list) and len(r) == DIM and all(
+            not isinstance(x, bool) and isinstance(x, (int, float)) and abs(x) < 3e38 for x in r) for r in v)
+
+
+BAD_INPUT = st.one_of(bad(rows_ok), st.just([]),
+                      st.lists(st.floats(-1, 1), max_size=8).filter(lambda v: len(v) != DIM).map(lambda v: [v]),
+                      st.tuples(st.integers(0, DIM - 1), st.sampled_from([1e39, -1e39, True, None, "1", [1], {}])).map(
+                          lambda t: [[t[1] if i == t[0] else 0.5 for i in range(DIM)]]),
+                      st.lists(st.just(V4), min_size=1, max_size=3).map(lambda rows: [*rows, [1.0]]))
+
 # route -> (method, target, a valid body, {field: strategy of a value the field refuses}, optional keys)
 ROUTES: dict[str, tuple[str, bytes, dict[str, Any], dict[str, st.SearchStrategy[Any]], tuple[str, ...]]] = {
     "signal": ("POST", b"/signals", {"entity": "e", "kind": "k", "value": 1},
@@ -92,6 +108,9 @@ ROUTES: dict[str, tuple[str, bytes, dict[str, Any], dict[str, st.SearchStrategy[
                 "mode": JSONISH.filter(lambda v: v not in (None, "incr", "set"))}, ("mode",)),
     "search": ("POST", b"/search", {"vector": V4, "k": 3}, {"vector": BAD_VECTOR, "k": bad(k_ok)}, ()),
     "embedding": ("PUT", b"/embeddings/e", {"vector": V4}, {"vector": BAD_VECTOR}, ()),
+    "infer": ("POST", b"/v1/models/m/infer", {"input": [V4]}, {"input": BAD_INPUT}, ()),
+    "weights": ("POST", b"/v1/models/m/weights", {"seed": 1, "version": 2},
+                {"seed": bad(seed_ok), "version": bad(lambda v: v is None or seed_ok(v) and v >= 1)}, ("version",)),
     "batch": ("POST", b"/batch", {"writes": [{"op": "delete_item", "id": "a"}]},
               {"writes": JSONISH.filter(lambda v: not isinstance(parsed(v), list) or parsed(v) == [])}, ()),
 }
@@ -268,7 +287,8 @@ def bad_operator(draw: st.DrawFn) -> Case:
 @st.composite
 def oversized(draw: st.DrawFn) -> Case:
     extra = draw(st.integers(1, 4096))
-    method, target = draw(st.sampled_from(BODY_ROUTES))
+    # A weights file may be far larger than a data request (gateway/models.py MAX_WEIGHTS_BYTES).
+    method, target = draw(st.sampled_from([r for r in BODY_ROUTES if not r[1].endswith(b"/weights")]))
     return Case("oversized", method, target, b'"' + b"x" * ((1 << 20) + extra) + b'"', (), (413, 413))
 
 

@@ -163,7 +163,12 @@ def make_view(revision: int, shards: int, workers: dict[str, str], groups: dict[
         "topology_revision": 1,
         "topology": {"cluster": "test", "shards": shards, "plugin": "entities",
                      "settings": {"ack": "quorum", "deadline_ms": deadline_ms, "embedding_dim": dim,
-                                  "quorum_timeout_ms": 2000, "lease_ms": 1500}},
+                                  "quorum_timeout_ms": 2000, "lease_ms": 1500},
+                     # A model whose one group the fakes do not host: requests that pass
+                     # validation would fail at the workers, hostile ones never get there.
+                     "models": [{"name": "m", "layers": 4, "d_model": dim, "d_hidden": 8, "seed": 1,
+                                 "replication_factor": 1,
+                                 "groups": [{"id": shards, "first": 0, "last": 3, "pinned": False}]}]},
         "workers": {wid: {"id": wid, "addr": addr, "zone": "z", "state": "active"} for wid, addr in workers.items()},
         "groups": {str(gid): {"id": gid, "conf_ver": 1, "learners": [], "preferred_leader": g.get("leader"),
                               "ready_term": g.get("term", 1), **g}

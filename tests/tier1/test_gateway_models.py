@@ -139,3 +139,12 @@ def test_a_replica_is_warm_only_while_applied_and_in_touch_with_its_group() -> N
     assert not infer_warm(_Shell(_Replica("follower", applied=4, heard=now)))  # behind its commit
     assert not infer_warm(_Shell(_Replica("leader"), failed="disk"))
     assert not infer_warm(_Shell(None))
+
+
+async def test_a_group_without_a_live_replica_is_routed_around_or_named() -> None:
+    w = Workers()
+    y, route, _ = await run({1: (0, 11, ["w3"]), 2: (0, 11, ["w2"])}, w, dead=("w3",))
+    assert y == [12.0, 13.0] and [r["group"] for r in route] == [2]
+    with pytest.raises(ApiError) as info:
+        await run({1: (0, 11, ["w3"])}, w, dead=("w3",))
+    assert info.value.code == "unavailable" and "layers 0-11" in info.value.message
