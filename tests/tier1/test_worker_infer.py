@@ -134,3 +134,62 @@ def test_a_weights_file_is_sliced_per_group_into_files_the_plugin_takes() -> Non
         slice_weights(whole, 4, 6)
     with pytest.raises(ApiError, match="not msgpack"):
         slice_weights(b"\xc1", 0, 1)
+
+
+# -- the worker's call op
+
+
+class _Replica:
+    role, applied_seq, commit_seq, term, ready, has_quorum, leader_heard_at = "leader", 3, 3, 2, True, True, None
+
+
+class _Shell:
+    def __init__(self, gid: int, p: Any) -> None:
+        from worker.group import GroupSettings
+
+        self.gid, self.plugin, self.replica, self.failed, self.settings = gid, p, _Replica(), None, GroupSettings()
+
+
+class _Node:
+    def __init__(self, svc: InferenceService) -> None:
+        self.id, self.infer = "w1", svc
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"start": 0, "end": 5, "rows": 1}, "infer needs"),
+    ({"start": 0, "end": 5, "rows": 1, "x": b"", "extra": 1}, "infer needs"),
+    ({"start": "0", "end": 5, "rows": 1, "x": b""}, "must be integers"),
+    ({"start": 0, "end": 9, "rows": 1, "x": b"\0" * 64}, "not within group 1's 0-5"),
+    ({"start": 3, "end": 2, "rows": 1, "x": b"\0" * 64}, "not within"),
+    ({"start": 0, "end": 5, "rows": 2, "x": b"\0" * 64}, "got 64 bytes for 2 rows"),
+    ({"start": 0, "end": 5, "rows": 0, "x": b""}, "rows (1..1024)"),
+    ([1, 2], "infer needs"),
+])
+async def test_the_infer_call_refuses_bad_bodies_with_400(body: Any, message: str) -> None:
+    from worker.server import WorkerApi
+
+    svc, _ = service()
+    api = WorkerApi(_Node(svc))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ApiError) as info:
+            await api.do_infer(_Shell(1, plugin()), body)
+    finally:
+        await svc.close()
+    assert info.value.code == "bad_request" and message in info.value.message, info.value.message
+
+
+async def test_the_infer_call_answers_with_its_worker_and_refuses_an_entities_group() -> None:
+    from worker.server import WorkerApi
+
+    svc, _ = service()
+    api = WorkerApi(_Node(svc))  # type: ignore[arg-type]
+    x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
+    try:
+        res = await api.do_infer(_Shell(1, plugin()), {"start": 0, "end": 5, "rows": 1, "x": x})
+        with pytest.raises(ApiError) as info:
+            await api.do_infer(_Shell(0, load_plugin("entities")), {"start": 0, "end": 5, "rows": 1, "x": x})
+    finally:
+        await svc.close()
+    assert res.status == 200 and res.body["worker"] == "w1" and res.body["y"] == tensor_to_bytes(
+        run_model(CFG, rows_to_tensor([row(0)], CFG.d_model)))
+    assert info.value.code == "bad_request" and "holds no model layers" in info.value.message
