@@ -931,7 +931,8 @@ def format_report(r: dict[str, Any]) -> str:
     if cc:
         roles = ", ".join(f"{k} {v:.2f}" for k, v in cc["by_role"].items())
         per = f"{cc['us_per_acked_write']:,.0f} µs CPU per acknowledged write" if cc["us_per_acked_write"] \
-            else "no acknowledged writes"
+            else f"{cc['us_per_op']:,.0f} µs CPU per {'inference' if r.get('infer') else 'operation'}" \
+            if cc["us_per_op"] else "no acknowledged writes"
         lines.append(f"  cluster CPU  {cc['cpu_s']:.2f} s ({roles}) = {cc['cores_busy']:.2f} cores busy; {per}"
                      + (" (lower bound: a process exited)" if cc["lower_bound"] else ""))
     if r.get("rounds"):
