@@ -892,8 +892,9 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  INTERRUPTED: the figures cover the part that ran")
     rec = f", {r['records_per_s']:,.0f} records/s" if c["batch"] else ""
     misses = f", {r['misses']:,} misses" if r["misses"] else ""
-    lines.append(f"  throughput   {r['ops']:,} ok in {r['elapsed_s']:.2f} s = {r['ops_per_s']:,.0f} ops/s{rec}"
-                 f" ({r['acked_writes']:,} acknowledged writes{misses})")
+    writes = any(k in WRITE_KINDS for k in c["mix"])
+    tail = f" ({r['acked_writes']:,} acknowledged writes{misses})" if writes or misses else ""
+    lines.append(f"  throughput   {r['ops']:,} ok in {r['elapsed_s']:.2f} s = {r['ops_per_s']:,.0f} ops/s{rec}{tail}")
     inf = r.get("infer")
     if inf:
         rows = (f", {inf['rows_per_s']:,.0f} rows/s ({inf['rows_per_request']} rows each)"

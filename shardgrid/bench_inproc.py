@@ -28,12 +28,11 @@ import orjson
 
 from shardgrid.bench_load import LoadConfig, Outcome, _fail, infer_inputs
 
-COMPUTE = "one compute thread; each forward pass concatenates the queued requests' rows, up to {max_rows} rows"
-
-
 def compute_description(max_rows: int) -> str:
     """How --target inproc serves concurrent requests (the report line and the JSON say it)."""
-    return COMPUTE.format(max_rows=max_rows)
+    if max_rows == 1:
+        return "one compute thread; one request per forward pass (--infer-max-rows 1)"
+    return f"one compute thread; each forward pass concatenates the queued requests' rows, up to {max_rows} rows"
 
 
 def _init_thread() -> None:

@@ -195,7 +195,7 @@ async def test_inproc_sender_computes_the_model_and_batches_queued_requests() ->
         assert y.tolist() == run_model(ModelConfig.from_dict(spec.to_dict()), x).tolist()
     finally:
         await send.close()
-    assert "up to 8 rows" in compute_description(8)
+    assert "up to 8 rows" in compute_description(8) and "one request per forward pass" in compute_description(1)
 
 
 # -- end to end against a fake gateway -----------------------------------------------------------
