@@ -3,6 +3,8 @@
     shardgrid bench --cluster local --concurrency 16 --duration 10 --mix put=100
     shardgrid bench --cluster local --target etcd --concurrency 16 --duration 10 --mix put=100
     shardgrid bench --gateway http://10.0.0.5:8080 --rate 5000 --procs 2 --json out.json
+    shardgrid bench --cluster local --topology examples/layers.yaml --mix infer=100 --concurrency 16
+    shardgrid bench --target inproc --topology examples/layers.yaml --mix infer=100 --concurrency 16
 
 The parent process starts the cluster under test when asked (`--cluster
 local`: a LocalCluster, or a 3-member etcd, in a temporary data directory,
@@ -37,13 +39,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from shardgrid.bench_cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
-from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, TARGETS, WRITE_KINDS, LoadConfig, MixError,
-                                  check_mix_for_target, child_main, parse_mix)
+from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, MAX_INFER_ROWS, TARGETS, WRITE_KINDS, LoadConfig,
+                                  MixError, check_mix_for_target, child_main, parse_mix)
 from shardgrid.bench_rounds import WorkerCounters, format_rounds, rounds_report
 from shardgrid.bench_stats import KindTotals, latency_summary, merge_into, new_histogram, overall
+
+if TYPE_CHECKING:
+    from topology.model import Topology
 
 RESULT_VERSION = 1
 DEFAULT_URLS = {"shardgrid": "http://127.0.0.1:8080", "etcd": "http://127.0.0.1:2379",
@@ -68,7 +73,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     kinds = ", ".join(f"{k} ({v})" for k, v in KINDS.items())
     p.add_argument("--target", choices=TARGETS, default="shardgrid",
                    help="what to drive: shardgrid gateways, or etcd for comparison through its JSON gateway "
-                        "(etcd) or its native gRPC API (etcd-grpc) (default shardgrid)")
+                        "(etcd) or its native gRPC API (etcd-grpc), or inproc: --topology's model computed in "
+                        "the generator's own process, no cluster (with --mix infer=100 only) (default shardgrid)")
     p.add_argument("--cluster", choices=("local", "none"), default="none",
                    help="local: start a cluster for the run in a temp dir and stop it afterwards; "
                         "none (default): drive the running one at --gateway")
@@ -104,15 +110,27 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-dim", type=int, default=None,
                    help="vector length for embed/search (default: the local topology's, else 64)")
     p.add_argument("--search-k", type=int, default=10, help="k of search requests (default 10)")
+    p.add_argument("--topology", default=None, metavar="FILE",
+                   help="--cluster local: start the cluster from FILE (its addresses moved onto free loopback "
+                        "ports; its models, groups and settings kept) instead of a generated one; also where "
+                        "--mix infer and --target inproc find the model")
+    p.add_argument("--model", default="tiny", help="the model infer requests name (default tiny)")
+    p.add_argument("--infer-rows", type=int, default=1, metavar="R",
+                   help="rows of each infer request (default 1); the report adds rows/s when R > 1")
+    p.add_argument("--infer-max-rows", type=int, default=None, metavar="N",
+                   help="--cluster local: every worker's --infer-max-rows (1: no batching; worker default 64); "
+                        "--target inproc: the most rows one forward pass concatenates (default 64)")
+    p.add_argument("--infer-max-wait-ms", type=float, default=None, metavar="F",
+                   help="--cluster local: every worker's --infer-max-wait-ms (worker default 2.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of keys and values (default random)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the whole result as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="no per-second progress lines")
     loc = p.add_argument_group("--cluster local")
-    loc.add_argument("--workers", type=int, default=3, help="workers (default 3)")
-    loc.add_argument("--shards", type=int, default=3, help="shard groups S (default 3)")
+    loc.add_argument("--workers", type=int, default=None, help="workers (default 3)")
+    loc.add_argument("--shards", type=int, default=None, help="shard groups S (default 3)")
     loc.add_argument("--rf", type=int, default=None, help="replication factor (default 3, or fewer workers)")
     loc.add_argument("--gateways", type=int, default=1, help="gateways, run with --no-access-log (default 1)")
-    loc.add_argument("--fsync", choices=FSYNC_MODES, default="batch", help="settings.fsync (default batch)")
+    loc.add_argument("--fsync", choices=FSYNC_MODES, default=None, help="settings.fsync (default batch)")
     loc.add_argument("--snapshot-every", type=int, default=None, metavar="N",
                      help="settings.snapshot_every: client writes between a group's snapshots (default the "
                           "topology default, 100000; runs longer than N writes per group include snapshots)")
@@ -145,6 +163,11 @@ class BenchOptions:
     quiet: bool = False
     command: str = ""
     mix_spec: str = ""
+    # --topology: the file as given (its addresses are rewritten at start) and where it came from
+    topology_path: str | None = None
+    topology_text: str | None = None
+    # extra arguments of every worker of --cluster local (--infer-max-rows, --infer-max-wait-ms)
+    worker_args: list[str] = field(default_factory=list)
 
 
 def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchOptions:
@@ -185,6 +208,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         raise bad("--timeout must be > 0")
     if args.search_k < 1:
         raise bad("--search-k must be >= 1")
+    infer = read_infer_options(args, mix)
     if target in ETCD_TARGETS:
         if args.ack not in (None, "quorum"):
             raise bad(f"--ack {args.ack} has no etcd equivalent: etcd acknowledges a put once a quorum has it")
@@ -192,21 +216,48 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
             raise bad("--deadline-ms is a shardgrid header; etcd has no equivalent")
     if args.deadline_ms is not None and not 1 <= args.deadline_ms <= 300_000:
         raise bad("--deadline-ms must be between 1 and 300000")
+    workers = args.workers if args.workers is not None else 3
+    shards = args.shards if args.shards is not None else 3
+    fsync = args.fsync or "batch"
     urls = args.gateway
-    if args.cluster == "local":
+    if target == "inproc":
+        # Checked apart: none of a cluster's or a gateway's options mean anything here.
+        if args.cluster == "local":
+            raise bad("--target inproc runs the model in the generator's process: it starts no cluster "
+                      "(drop --cluster local)")
+        if urls:
+            raise bad("--target inproc sends no requests: it takes no --gateway")
+        if args.procs != 1:
+            raise bad("--target inproc is the one-process baseline: --procs must be 1")
+        for flag, value in (("--deadline-ms", args.deadline_ms), ("--ack", args.ack),
+                            ("--infer-max-wait-ms", args.infer_max_wait_ms),
+                            ("--cluster-pids-from", args.cluster_pids_from), ("--cluster-pids", args.cluster_pids),
+                            ("--cluster-pgrep", args.cluster_pgrep), ("--snapshot-every", args.snapshot_every)):
+            if value is not None:
+                raise bad(f"{flag} has no meaning for --target inproc (no gateway, no workers)")
+    elif args.cluster == "local":
         if urls:
             raise bad("--gateway names a running cluster; --cluster local starts its own (see --gateways)")
         if any(x is not None for x in (args.cluster_pids_from, args.cluster_pids, args.cluster_pgrep)):
             raise bad("--cluster-pids-from/--cluster-pids/--cluster-pgrep are for a running cluster; "
                       "--cluster local accounts for the processes it starts")
         if target == "shardgrid":
-            if args.workers < 1 or args.shards < 1 or args.gateways < 1:
+            if infer.topo is not None:
+                given = [f for f, v in (("--workers", args.workers), ("--shards", args.shards), ("--rf", args.rf),
+                                        ("--fsync", args.fsync), ("--snapshot-every", args.snapshot_every))
+                         if v is not None]
+                if given:
+                    raise bad(f"{', '.join(given)} shape a generated topology; with --topology the file's "
+                              "workers, groups and settings apply")
+                if len(infer.topo.meta) > 99 or len(infer.topo.workers) > 99:
+                    raise bad("--topology: at most 99 meta nodes and 99 workers")
+            if workers < 1 or shards < 1 or args.gateways < 1:
                 raise bad("--workers, --shards and --gateways must be >= 1")
-            if args.workers > 99 or args.gateways > 99:
+            if workers > 99 or args.gateways > 99:
                 raise bad("--workers and --gateways are at most 99")
-            rf = args.rf if args.rf is not None else min(3, args.workers)
-            if not 1 <= rf <= args.workers:
-                raise bad(f"--rf {rf} needs 1..--workers ({args.workers})")
+            rf = args.rf if args.rf is not None else min(3, workers)
+            if not 1 <= rf <= workers:
+                raise bad(f"--rf {rf} needs 1..--workers ({workers})")
             if args.snapshot_every is not None and args.snapshot_every < 1:
                 raise bad("--snapshot-every must be >= 1")
         elif args.snapshot_every is not None:
@@ -216,6 +267,9 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
     else:
         if args.snapshot_every is not None:
             raise bad("--snapshot-every sets up the cluster of --cluster local")
+        if infer.worker_args:
+            raise bad("--infer-max-rows/--infer-max-wait-ms are worker flags: --cluster local passes them to the "
+                      "workers it starts (a running cluster's workers have theirs)")
         urls = urls or [DEFAULT_URLS[target]]
         for u in urls:
             if not re.fullmatch(r"https?://[^/\s]+/?", u):
@@ -224,20 +278,86 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                 # The raw client writes plain HTTP on the socket: every request would be a connection error.
                 raise bad(f"--gateway {u!r}: the raw client speaks plain HTTP only; use --client aiohttp "
                           "(a private CA: SSL_CERT_FILE=ca.pem)")
-    rf = args.rf if args.rf is not None else min(3, args.workers)
+    rf = args.rf if args.rf is not None else min(3, workers)
     load = LoadConfig(target=target, urls=tuple(urls or ()), mix=tuple(mix.items()), concurrency=concurrency,
                       rate=args.rate, duration_s=float(args.duration), warmup_s=int(args.warmup), ack=args.ack,
                       deadline_ms=args.deadline_ms, value_bytes=args.value_bytes, batch=args.batch, keys=args.keys,
                       embedding_dim=args.embedding_dim or 64, search_k=args.search_k, timeout_s=args.timeout,
                       max_inflight=args.max_inflight, client=args.client,
                       seed=args.seed if args.seed is not None else random.randrange(1 << 30),
-                      run_id=f"b{secrets.token_hex(3)}")
-    return BenchOptions(load=load, procs=args.procs, cluster=args.cluster, workers=args.workers, shards=args.shards,
-                        rf=rf, gateways=args.gateways, fsync=args.fsync, snapshot_every=args.snapshot_every,
+                      run_id=f"b{secrets.token_hex(3)}", model=args.model, infer_rows=args.infer_rows,
+                      model_dim=infer.model_dim, model_spec=infer.model_spec if target == "inproc" else None,
+                      infer_max_rows=args.infer_max_rows or 64)
+    return BenchOptions(load=load, procs=args.procs, cluster=args.cluster, workers=workers, shards=shards,
+                        rf=rf, gateways=args.gateways, fsync=fsync, snapshot_every=args.snapshot_every,
                         data_dir=args.data_dir,
                         keep_data=args.keep_data, pids_from=args.cluster_pids_from, pids=args.cluster_pids,
                         pgrep=args.cluster_pgrep, json_path=args.json, quiet=args.quiet,
-                        command=" ".join(["shardgrid", "bench", *map(shlex.quote, argv or [])]), mix_spec=args.mix)
+                        command=" ".join(["shardgrid", "bench", *map(shlex.quote, argv or [])]), mix_spec=args.mix,
+                        topology_path=args.topology, topology_text=infer.text, worker_args=infer.worker_args)
+
+
+@dataclass
+class InferOptions:
+    """What --topology, --model, --infer-* resolve to."""
+
+    text: str | None = None
+    topo: Topology | None = None
+    model_dim: int = 64
+    model_spec: str | None = None  # the model's ModelSpec.to_dict() as JSON
+    worker_args: list[str] = field(default_factory=list)
+
+
+def read_infer_options(args: argparse.Namespace, mix: dict[str, float]) -> InferOptions:
+    """Check --topology, --model and the --infer-* options against the mix and the target; BenchUsageError."""
+    bad = BenchUsageError
+    target = args.target
+    infer = "infer" in mix
+    if not 1 <= args.infer_rows <= MAX_INFER_ROWS:
+        raise bad(f"--infer-rows must be between 1 and {MAX_INFER_ROWS}")
+    if args.infer_rows != 1 and not infer:
+        raise bad("--infer-rows sizes infer requests, and --mix has none")
+    if args.infer_max_rows is not None and args.infer_max_rows < 1:
+        raise bad("--infer-max-rows must be >= 1 (1: no batching)")
+    if args.infer_max_wait_ms is not None and not 0 <= args.infer_max_wait_ms <= 1000:
+        raise bad("--infer-max-wait-ms must be between 0 and 1000")
+    out = InferOptions()
+    if args.infer_max_rows is not None:
+        out.worker_args += ["--infer-max-rows", str(args.infer_max_rows)]
+    if args.infer_max_wait_ms is not None:
+        out.worker_args += ["--infer-max-wait-ms", f"{args.infer_max_wait_ms:g}"]
+    if out.worker_args and target in ETCD_TARGETS:
+        raise bad("--infer-max-rows/--infer-max-wait-ms are shardgrid worker flags")
+    if args.topology is None:
+        if infer:
+            raise bad(f"--mix infer needs --topology FILE declaring model {args.model!r} "
+                      "(e.g. examples/layers.yaml)")
+        return out
+    if target in ETCD_TARGETS:
+        raise bad("--topology is a shardgrid topology; --target etcd has none")
+    if target == "shardgrid" and args.cluster != "local" and not infer:
+        raise bad("--topology starts --cluster local from FILE, or names the model of --mix infer; "
+                  "this run has neither")
+    from topology.errors import TopologyError
+    from topology.loader import load_topology
+
+    try:
+        out.text = Path(args.topology).read_text(encoding="utf-8")
+        out.topo = load_topology(out.text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise bad(f"--topology {args.topology}: {exc}") from None
+    except TopologyError as exc:
+        raise bad(f"--topology {args.topology}: {exc}") from None
+    if infer:
+        spec = out.topo.model(args.model)
+        if spec is None:
+            known = ", ".join(m.name for m in out.topo.models) or "none"
+            raise bad(f"--mix infer: no model {args.model!r} in {args.topology} (models: {known})")
+        out.model_dim = spec.d_model
+        import orjson
+
+        out.model_spec = orjson.dumps(spec.to_dict()).decode()
+    return out
 
 
 # -- ports -------------------------------------------------------------------------------------
@@ -318,14 +438,26 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
                              info={"mode": "local", "target": opts.load.target, "members": 3, "data": str(data),
                                    "client_urls": etcd.client_urls})
         else:
-            from shardgrid.devcluster import LocalCluster, generated_topology, wait_groups_ready
+            from shardgrid.devcluster import LocalCluster, generated_topology, relocated_topology, wait_groups_ready
 
-            offsets = [0, 1, 2, 100, 101, 102, *range(200, 200 + opts.workers), *range(300, 300 + opts.gateways)]
+            if opts.topology_text is not None:
+                from topology.loader import load_topology
+
+                given = load_topology(opts.topology_text)
+                metas, workers = len(given.meta), len(given.workers)
+            else:
+                metas, workers = 3, opts.workers
+            offsets = [*range(metas), *range(100, 100 + metas), *range(200, 200 + workers),
+                       *range(300, 300 + opts.gateways)]
             base = find_port_base(offsets)
-            text = generated_topology(opts.workers, opts.shards, opts.rf, meta_base=base, worker_base=base + 200,
-                                      settings=local_settings(opts))
+            if opts.topology_text is not None:
+                text = relocated_topology(opts.topology_text, meta_base=base, worker_base=base + 200)
+            else:
+                text = generated_topology(opts.workers, opts.shards, opts.rf, meta_base=base, worker_base=base + 200,
+                                          settings=local_settings(opts))
             gws = [f"127.0.0.1:{base + 300 + i}" for i in range(opts.gateways)]
-            cluster = LocalCluster(text, data, gateways=gws, say=say, gateway_args=["--no-access-log"])
+            cluster = LocalCluster(text, data, gateways=gws, say=say, gateway_args=["--no-access-log"],
+                                   worker_args=list(opts.worker_args))
             started.append(cluster)
             cluster.start()
             # start() returns once every group has a quorum; a worker still importing torch (seconds
@@ -334,14 +466,22 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
             asyncio.run(wait_workers_registered([w.http for w in cluster.topo.workers], WORKERS_UP_TIMEOUT_S))
             say("waiting for every group to be led by its preferred leader ...")
             asyncio.run(wait_groups_ready(cluster.meta_addrs, WORKERS_UP_TIMEOUT_S, balanced=True))
+            topo = cluster.topo
+            if topo.models:
+                # A model group's replicas build their weights after they join: until then the gateway
+                # has no route, and the first seconds would measure that.
+                say(f"waiting for {', '.join(m.name for m in topo.models)} to answer inference ...")
+                asyncio.run(wait_models_answer(f"http://{gws[0]}", [(m.name, m.d_model) for m in topo.models],
+                                               WORKERS_UP_TIMEOUT_S))
             say("cluster ready")
             env = ClusterEnv(urls=[f"http://{g}" for g in gws], pids={c.pid: c.name for c in cluster.children},
-                             metrics_urls=[f"http://{w.http}/metrics" for w in cluster.topo.workers],
-                             info={"mode": "local", "target": "shardgrid", "workers": opts.workers,
-                                   "shards": opts.shards, "rf": opts.rf, "gateways": opts.gateways,
-                                   "fsync": opts.fsync, "snapshot_every": cluster.topo.settings.snapshot_every,
-                                   "embedding_dim": cluster.topo.settings.embedding_dim,
-                                   "data": str(data)})
+                             metrics_urls=[f"http://{w.http}/metrics" for w in topo.workers],
+                             info={"mode": "local", "target": "shardgrid", "workers": len(topo.workers),
+                                   "shards": topo.shards, "rf": topo.replication_factor, "gateways": opts.gateways,
+                                   "fsync": topo.settings.fsync, "snapshot_every": topo.settings.snapshot_every,
+                                   "embedding_dim": topo.settings.embedding_dim,
+                                   "topology": opts.topology_path, "models": [m.name for m in topo.models],
+                                   "worker_args": list(opts.worker_args), "data": str(data)})
     except Exception:
         keep = True  # the cluster did not come up: its logs say why
         stop()
@@ -370,6 +510,44 @@ async def wait_workers_registered(addrs: list[str], deadline_s: float) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {addr} not up after {deadline_s:.0f} s")
                 await asyncio.sleep(0.2)
+
+
+async def wait_models_answer(gateway: str, models: list[tuple[str, int]], deadline_s: float) -> None:
+    """Until one inference of one row per model succeeds through `gateway`."""
+    import aiohttp
+
+    deadline = time.monotonic() + deadline_s
+    async with aiohttp.ClientSession() as s:
+        for name, d_model in models:
+            last = ""
+            while True:
+                try:
+                    async with s.post(f"{gateway}/v1/models/{name}/infer", json={"input": [[0.0] * d_model]},
+                                      headers={"x-deadline-ms": "5000"},
+                                      timeout=aiohttp.ClientTimeout(total=6)) as r:
+                        if r.status == 200:
+                            break
+                        last = f"HTTP {r.status}: {(await r.text())[:200]}"
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"model {name} did not answer within {deadline_s:.0f} s ({last})")
+                await asyncio.sleep(0.2)
+
+
+def inproc_env(opts: BenchOptions) -> ClusterEnv:
+    """--target inproc: no cluster; what the generator computes, for the report."""
+    import orjson
+
+    from shardgrid.bench_inproc import compute_description
+
+    cfg = opts.load
+    spec = orjson.loads(cfg.model_spec or "{}")
+    return ClusterEnv(urls=[], pids=None,
+                      info={"mode": "inproc", "target": "inproc", "topology": opts.topology_path,
+                            "model": cfg.model, "layers": spec.get("layers"), "d_model": spec.get("d_model"),
+                            "d_hidden": spec.get("d_hidden"), "infer_max_rows": cfg.infer_max_rows,
+                            "compute": compute_description(cfg.infer_max_rows)})
 
 
 def attached_env(opts: BenchOptions) -> ClusterEnv:
@@ -628,6 +806,7 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
         open_loop = {"rate": cfg.rate, "scheduled": scheduled, "sent": sent,
                      "unsent": sum(s.get("unsent") or 0 for s in run.summaries),
                      "max_inflight": cfg.max_inflight, "schedule_lag_ms": latency_summary(col.lag)}
+    infer = infer_report(cfg, kinds.get("infer"), elapsed, run.summaries) if "infer" in cfg.kinds else None
     return {
         "version": RESULT_VERSION,
         "command": opts.command,
@@ -639,7 +818,9 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
                    "ack": cfg.ack, "deadline_ms": cfg.deadline_ms, "value_bytes": cfg.value_bytes,
                    "batch": cfg.batch, "keys": cfg.keys, "procs": opts.procs, "urls": env.urls,
                    "timeout_s": cfg.timeout_s, "seed": cfg.seed,
-                   "client": "grpcio" if cfg.target == "etcd-grpc" else cfg.client},
+                   "client": "grpcio" if cfg.target == "etcd-grpc" else "none" if cfg.target == "inproc"
+                   else cfg.client,
+                   "model": cfg.model if infer else None, "infer_rows": cfg.infer_rows if infer else None},
         "cluster": env.info,
         "machine": {"cpus": os.cpu_count(), "loadavg_before": list(loadavg[0]) if loadavg else None,
                     "loadavg_after": list(loadavg[1]) if loadavg else None},
@@ -656,6 +837,7 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
         "by_kind": {k: {"ops": kt.ok, "records": kt.records, "misses": kt.misses, "errors": dict(kt.errors),
                         "latency_ms": latency_summary(kt.hist)} for k, kt in kinds.items()},
         "open_loop": open_loop,
+        "infer": infer,
         "cluster_cpu": cluster_cpu,
         "rounds": rounds_report(run.counters_before, run.counters_after, acked_writes),
         "client": {"procs": opts.procs, "cpu_s": round(client_cpu, 3),
@@ -664,6 +846,22 @@ def build_result(opts: BenchOptions, env: ClusterEnv, run: RunOutput, cpu: CpuAc
         "timeline": col.timeline,
         "histogram": total.hist.encode().decode("ascii"),
     }
+
+
+def infer_report(cfg: LoadConfig, kt: KindTotals | None, elapsed: float,
+                 summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The infer figures: inferences (answered requests) and rows per second; with --target inproc
+    also the forward passes (over the whole run, warm-up included)."""
+    n = kt.ok if kt is not None else 0
+    rows = kt.records if kt is not None else 0
+    passes = None
+    counted = [s["passes"] for s in summaries if s.get("passes")]
+    if counted:
+        p = {k: sum(c[k] for c in counted) for k in ("passes", "rows", "requests")}
+        passes = {**p, "rows_per_pass": round(p["rows"] / p["passes"], 2) if p["passes"] else None}
+    return {"model": cfg.model, "rows_per_request": cfg.infer_rows, "inferences": n,
+            "inferences_per_s": round(n / elapsed, 1), "rows": rows, "rows_per_s": round(rows / elapsed, 1),
+            "passes": passes}
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -675,16 +873,37 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{r['command']}")
     ack = "quorum (etcd)" if c["target"] in ETCD_TARGETS else c["ack"] or "cluster default"
     warm = f" after {c['warmup_s']} s warm-up" if c["warmup_s"] else ""
+    if list(c["mix"]) == ["infer"]:
+        # No writes: ack and values mean nothing; the deadline is the inference budget.
+        budget = f"deadline {c['deadline_ms']} ms" if c["deadline_ms"] else "cluster default deadline"
+        shape = f"model {c['model']}, {c['infer_rows']} row(s) per request, " + \
+            (f"{budget}, " if c["target"] != "inproc" else "")
+    else:
+        shape = f"ack {ack}, {c['value_bytes']}-byte values{batch}, "
+    where = "no HTTP" if c["target"] == "inproc" else \
+        f"{len(c['urls'])} endpoint(s), {c['procs']} generator proc(s) ({c.get('client', 'aiohttp')} client)"
     lines.append(f"  target {c['target']} ({r['cluster']['mode']}), {mode}, {c['duration_s']:g} s measured"
-                 f"{warm}, mix {mix}, "
-                 f"ack {ack}, {c['value_bytes']}-byte values{batch}, "
-                 f"{len(c['urls'])} endpoint(s), {c['procs']} generator proc(s) ({c.get('client', 'aiohttp')} client)")
+                 f"{warm}, mix {mix}, {shape}{where}")
+    if c["target"] == "inproc":
+        cl = r["cluster"]
+        lines.append(f"  in process   model {cl['model']} ({cl['layers']} layers, d_model {cl['d_model']}) of "
+                     f"{cl['topology']}: {cl['compute']}")
     if r["interrupted"]:
         lines.append("  INTERRUPTED: the figures cover the part that ran")
     rec = f", {r['records_per_s']:,.0f} records/s" if c["batch"] else ""
     misses = f", {r['misses']:,} misses" if r["misses"] else ""
-    lines.append(f"  throughput   {r['ops']:,} ok in {r['elapsed_s']:.2f} s = {r['ops_per_s']:,.0f} ops/s{rec}"
-                 f" ({r['acked_writes']:,} acknowledged writes{misses})")
+    writes = any(k in WRITE_KINDS for k in c["mix"])
+    tail = f" ({r['acked_writes']:,} acknowledged writes{misses})" if writes or misses else ""
+    lines.append(f"  throughput   {r['ops']:,} ok in {r['elapsed_s']:.2f} s = {r['ops_per_s']:,.0f} ops/s{rec}{tail}")
+    inf = r.get("infer")
+    if inf:
+        rows = (f", {inf['rows_per_s']:,.0f} rows/s ({inf['rows_per_request']} rows each)"
+                if inf["rows_per_request"] > 1 else "")
+        passes = inf["passes"]
+        per_pass = (f"; {passes['passes']:,} forward passes of {passes['rows_per_pass']} rows on average"
+                    if passes and passes["passes"] else "")
+        lines.append(f"  inference    {inf['inferences']:,} of model {inf['model']} = "
+                     f"{inf['inferences_per_s']:,.0f} inferences/s{rows}{per_pass}")
     err = r["errors"]
     codes = ", ".join(f"{k} {v:,}" for k, v in err["by_code"].items()) or "none"
     lines.append(f"  errors       {err['total']:,} ({codes})"
@@ -713,13 +932,17 @@ def format_report(r: dict[str, Any]) -> str:
     if cc:
         roles = ", ".join(f"{k} {v:.2f}" for k, v in cc["by_role"].items())
         per = f"{cc['us_per_acked_write']:,.0f} µs CPU per acknowledged write" if cc["us_per_acked_write"] \
-            else "no acknowledged writes"
+            else f"{cc['us_per_op']:,.0f} µs CPU per {'inference' if r.get('infer') else 'operation'}" \
+            if cc["us_per_op"] else "no acknowledged writes"
         lines.append(f"  cluster CPU  {cc['cpu_s']:.2f} s ({roles}) = {cc['cores_busy']:.2f} cores busy; {per}"
                      + (" (lower bound: a process exited)" if cc["lower_bound"] else ""))
     if r.get("rounds"):
         lines.append(format_rounds(r["rounds"]))
     cl = r["client"]
-    if cl["cores_busy"] is not None:
+    if cl["cores_busy"] is not None and c["target"] == "inproc":
+        lines.append(f"  process CPU  {cl['cpu_s']:.2f} s = {cl['cores_busy']:.2f} cores (the load and the model's "
+                     "compute together)")
+    elif cl["cores_busy"] is not None:
         lines.append(f"  client CPU   {cl['cpu_s']:.2f} s over {cl['procs']} proc(s) = {cl['cores_busy']:.2f} cores"
                      + ("  <- the generator may be the bottleneck: add --procs" if cl["cores_busy"] > 0.85 * cl["procs"]
                         else ""))
@@ -743,7 +966,10 @@ def write_json(path: str, result: dict[str, Any]) -> None:
 
 def run_bench(opts: BenchOptions, out: TextIO | None = sys.stdout) -> dict[str, Any]:
     """Start (or attach to) the cluster, run the load, stop what was started; the result dict."""
-    env = start_local(opts) if opts.cluster == "local" else attached_env(opts)
+    if opts.load.target == "inproc":
+        env = inproc_env(opts)
+    else:
+        env = start_local(opts) if opts.cluster == "local" else attached_env(opts)
     try:
         cfg = opts.load
         if opts.cluster == "local":
@@ -777,14 +1003,14 @@ def main_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> i
             raise KeyboardInterrupt
 
         previous = signal.signal(signal.SIGTERM, on_term)
-    from meta.client import MetaUnreachable
+    from meta.client import MetaError, MetaUnreachable
 
     try:
         result = run_bench(opts)
     except BenchUsageError as exc:
         sys.stderr.write(f"shardgrid bench: {exc}\n")
         return 2
-    except (BenchError, MetaUnreachable, TimeoutError, RuntimeError, FileNotFoundError, OSError) as exc:
+    except (BenchError, MetaUnreachable, MetaError, TimeoutError, RuntimeError, FileNotFoundError, OSError) as exc:
         sys.stderr.write(f"shardgrid bench: {exc}\n")
         return 1
     except KeyboardInterrupt:

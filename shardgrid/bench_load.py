@@ -45,6 +45,7 @@ import string
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -64,13 +65,16 @@ KINDS: dict[str, str] = {
     "signals": "GET /signals/{entity}",
     "embed": "PUT /embeddings/{id}",
     "search": "POST /search",
+    "infer": "POST /v1/models/{model}/infer",
 }
 WRITE_KINDS = frozenset({"put", "delete", "incr", "set", "embed"})
 MISS_KINDS = frozenset({"get", "delete", "signals"})  # 404 = served, nothing there: counted ok (a miss)
 ETCD_KINDS = ("put", "get", "delete")
-TARGETS = ("shardgrid", "etcd", "etcd-grpc")
+TARGETS = ("shardgrid", "etcd", "etcd-grpc", "inproc")
 ETCD_TARGETS = ("etcd", "etcd-grpc")
 MAX_BATCH = 1000  # the gateway's limit on writes per /batch
+MAX_INFER_ROWS = 1024  # the workers' limit on rows per inference request
+INFER_POOL = 64  # distinct request bodies an infer load cycles through
 
 _WEIGHT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
@@ -114,6 +118,9 @@ def check_mix_for_target(mix: dict[str, float], target: str) -> None:
         if bad:
             raise MixError(f"--target {target} supports only {', '.join(ETCD_KINDS)} in --mix; "
                            f"got {', '.join(bad)}")
+    if target == "inproc" and list(mix) != ["infer"]:
+        raise MixError("--target inproc runs the model in this process: it supports only --mix infer=100; "
+                       f"got {', '.join(mix)}")
 
 
 def mix_table(mix: dict[str, float], size: int = 1000, seed: int = 0) -> list[int]:
@@ -195,6 +202,13 @@ class LoadConfig:
     procs: int = 1
     run_id: str = "run"
     client: str = "raw"  # HTTP targets: "raw" (bench_http.py) or "aiohttp"
+    # infer: the model, the rows of each request and their width (the model's d_model)
+    model: str = "tiny"
+    infer_rows: int = 1
+    model_dim: int = 64
+    # --target inproc: the model's ModelSpec.to_dict() as JSON, and the most rows one forward pass takes
+    model_spec: str | None = None
+    infer_max_rows: int = 64
 
     @property
     def kinds(self) -> list[str]:
@@ -238,6 +252,28 @@ def _error_code(status: int, raw: bytes) -> str:
     except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
         pass
     return f"http_{status}"
+
+
+def infer_inputs(rows: int, d_model: int, seed: int, count: int = INFER_POOL) -> list[list[list[float]]]:
+    """`count` inputs of `rows` rows of `d_model` floats in [-1, 1), a function of `seed` alone.
+
+    Rounded to 6 digits: the JSON stays short, and every value is exact
+    enough for a float32 model.
+    """
+    rng = random.Random(seed * 1_000_033 + 17)
+    return [[[round(rng.uniform(-1.0, 1.0), 6) for _ in range(d_model)] for _ in range(rows)] for _ in range(count)]
+
+
+def infer_body(rows: list[list[float]]) -> bytes:
+    """The body of `POST /v1/models/{name}/infer`: `{"input": [[...], ...]}`."""
+    return orjson.dumps({"input": rows})
+
+
+def classify_infer(status: int, raw: bytes, n: int) -> Outcome:
+    """An infer answer: 200 is `n` rows computed; anything else an error by its code (over_budget, ...)."""
+    if status == 200:
+        return (True, None, n, None, False)
+    return _fail(_error_code(status, raw))
 
 
 class _Target:
@@ -291,6 +327,10 @@ class ShardgridTarget(_Target):
         if cfg.deadline_ms:
             self.fixed["x-deadline-ms"] = str(cfg.deadline_ms)
         self.vectors = [orjson.dumps([rng.uniform(-1.0, 1.0) for _ in range(cfg.embedding_dim)]) for _ in range(64)]
+        self.infer_bodies: list[bytes] = []
+        if "infer" in cfg.kinds:
+            # Every process sends the same inputs (a function of --seed), in its own order.
+            self.infer_bodies = [infer_body(x) for x in infer_inputs(cfg.infer_rows, cfg.model_dim, cfg.seed)]
 
     def headers(self) -> dict[str, str]:
         h = dict(self.fixed)
@@ -349,11 +389,22 @@ class ShardgridTarget(_Target):
                 return ("POST", URL(self.base() + "/search", encoded=True),
                         b'{"vector":' + self._vector() + b',"k":' + k + b"}", self.headers(), 1)
             return search
+        if kind == "infer":
+            path = "/v1/models/" + quote(self.cfg.model, safe="") + "/infer"
+            rows = self.cfg.infer_rows
+            bodies = self.infer_bodies
+
+            def infer() -> Prepared:
+                return ("POST", URL(self.base() + path, encoded=True), bodies[self.rng.randrange(len(bodies))],
+                        self.headers(), rows)
+            return infer
         raise ValueError(f"unknown operation {kind!r}")
 
     def classify(self, kind: str) -> Callable[[int, bytes, int], Outcome]:
         if self.cfg.batch and kind in WRITE_KINDS:
             return classify_batch
+        if kind == "infer":
+            return classify_infer
         miss_ok = kind in MISS_KINDS
 
         def single(status: int, raw: bytes, n: int) -> Outcome:
@@ -676,12 +727,17 @@ def make_session(cfg: LoadConfig) -> aiohttp.ClientSession:
 
 async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> None:
     rng = random.Random(cfg.seed * 1_000_003 + cfg.proc)
-    target = make_target(cfg, rng)
     async with make_session(cfg) as session:
         grpc_send: Any = None
         raw_send: Any = None
         send: Send
-        if cfg.target == "etcd-grpc":
+        target: Any = None if cfg.target == "inproc" else make_target(cfg, rng)
+        if target is None:
+            from shardgrid.bench_inproc import InprocSender
+
+            # Builds the weights before "ready": the run measures inference, not their generation.
+            raw_send = send = await InprocSender.create(cfg)
+        elif cfg.target == "etcd-grpc":
             from shardgrid.bench_grpc import GrpcEtcdSender
 
             grpc_send = send = GrpcEtcdSender(target)
@@ -700,6 +756,9 @@ async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> 
             start_ns = time.monotonic_ns() + int((start_at.value - time.time()) * NS)
             engine = Engine(cfg, send, lambda tick: q.put(("tick", cfg.proc, tick)), stop.is_set)
             summary = await engine.run(start_ns)
+            if target is None:
+                st = raw_send.stats
+                summary["passes"] = {"passes": st.passes, "rows": st.rows, "requests": st.requests}
         finally:
             if grpc_send is not None:
                 await grpc_send.close()

@@ -71,6 +71,25 @@ def generated_topology(workers: int, shards: int, rf: int | None = None, meta_ba
     return "\n".join(lines) + "\n"
 
 
+def relocated_topology(text: str, meta_base: int, worker_base: int, host: str = "127.0.0.1") -> str:
+    """`text` with its meta nodes on host:meta_base+i (raft) and host:meta_base+100+i (http) and its
+    workers on host:worker_base+i, in the file's order; everything else (models, groups, settings) kept.
+
+    The result is YAML again (the file's comments are lost); callers validate it with load_topology.
+    """
+    import yaml
+
+    doc = yaml.safe_load(text)
+    if not isinstance(doc, dict):
+        raise ValueError("a topology is a mapping")
+    for i, m in enumerate(doc.get("meta") or ()):
+        m["raft"] = f"{host}:{meta_base + i}"
+        m["http"] = f"{host}:{meta_base + 100 + i}"
+    for i, w in enumerate(doc.get("workers") or ()):
+        w["http"] = f"{host}:{worker_base + i}"
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+
+
 def _say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -186,6 +205,8 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     # Extra arguments for every gateway (the benchmark passes --no-access-log).
     gateway_args: list[str] = field(default_factory=list)
+    # Extra arguments for every worker (the benchmark passes --infer-max-rows/--infer-max-wait-ms).
+    worker_args: list[str] = field(default_factory=list)
     # TLS on every listener and intra-cluster call (`shardgrid dev --tls`).
     pki: DevPki | None = None
 
@@ -220,7 +241,7 @@ class LocalCluster:
     def _worker_args(self, wid: str, http: str, zone: str) -> list[str]:
         return ["worker", "--id", wid, "--http", http, "--meta", ",".join(self.meta_addrs),
                 "--data", str(self.data / "workers" / wid), "--zone", zone,
-                "--secret-file", str(self.data / "cluster.secret"), *self.tls_args()]
+                "--secret-file", str(self.data / "cluster.secret"), *self.tls_args(), *self.worker_args]
 
     def add_worker(self, extra: list[str] | None = None) -> Child:
         """A worker the topology does not declare, on the next free port after

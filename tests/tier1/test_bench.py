@@ -405,7 +405,8 @@ def test_result_json_shape() -> None:
     r = orjson.loads(orjson.dumps(r))  # JSON-serialisable as it is
     assert set(r) == {"version", "command", "started_at", "interrupted", "config", "cluster", "machine", "elapsed_s",
                       "ops", "ops_per_s", "records", "records_per_s", "acked_writes", "misses", "errors",
-                      "latency_ms", "by_kind", "open_loop", "cluster_cpu", "rounds", "client", "timeline", "histogram"}
+                      "latency_ms", "by_kind", "open_loop", "infer", "cluster_cpu", "rounds", "client", "timeline",
+                      "histogram"}
     # 110 acknowledged writes: 55 passes carrying 220 events, 220 messages in 110 frames, 55 fsyncs
     assert r["rounds"] == {"passes_per_write": 0.5, "peer_messages_per_write": 2.0, "peer_frames_per_write": 1.0,
                            "fsyncs_per_write": 0.5, "events_per_pass": 4.0,
