@@ -14,8 +14,8 @@ A hop's replica is chosen by three questions, in order (the Czar Grid's):
 1. where is the range warm (the replica has applied its log and holds its
    weights in memory);
 2. which replicas can answer within the caller's remaining budget given
-   what they have already accepted (their queue, our own calls in flight,
-   their measured cost per layer);
+   what they have already accepted (the calls they have in hand, from our
+   own count or their report, times their measured cost per layer and call);
 3. where would the request join a batch already forming (a call of ours
    to that replica and start layer is in flight: the worker batches calls
    for the same range and start).
@@ -107,23 +107,21 @@ class ReplicaLoad:
 
     worker: str
     warm: bool
-    queued: int  # requests the worker last said it had queued or running for this group
-    inflight: int  # this gateway's own calls to it for this group, unanswered
-    ms_per_layer: float = DEFAULT_MS_PER_LAYER  # one forward pass of one layer, whole batch
-    overhead_ms: float = DEFAULT_OVERHEAD_MS  # a call's cost beyond its compute: network, queueing
+    ahead: int  # calls the worker has in hand now (all its groups): the gateway's own in flight, or what it reported
+    ms_per_layer: float = DEFAULT_MS_PER_LAYER  # per layer, for each call in hand (measured: time / layers / calls)
+    overhead_ms: float = DEFAULT_OVERHEAD_MS  # a call's fixed cost while unmeasured
     forming: bool = False  # a call of ours for the same start layer is in flight there
 
 
-def estimate_ms(load: ReplicaLoad, layers: int, max_batch: int) -> float:
+def estimate_ms(load: ReplicaLoad, layers: int) -> float:
     """When an answer from this replica would come back, in ms from now.
 
-    The work ahead of us is served in batches of up to `max_batch` requests,
-    each costing about `layers * ms_per_layer`; joining a forming batch costs
-    no extra pass.
+    A worker shares one compute thread among the calls it has in hand, so a
+    call's time grows with them (Little's law): the measured cost per layer
+    of each call in hand, times the calls there would be with this one.
+    Measured at the current load, this includes what batching saves.
     """
-    ahead = load.queued + load.inflight
-    passes = 1 + (0 if load.forming else ahead // max(1, max_batch))
-    return load.overhead_ms + passes * layers * load.ms_per_layer
+    return load.overhead_ms + layers * load.ms_per_layer * (load.ahead + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +133,13 @@ class Choice:
     forming: bool
 
 
-def rank_replicas(loads: Iterable[ReplicaLoad], layers: int, budget_ms: float, max_batch: int) -> list[Choice]:
+def rank_replicas(loads: Iterable[ReplicaLoad], layers: int, budget_ms: float) -> list[Choice]:
     """The replicas in the order to try them: warm, then within the budget,
     then joining a forming batch, then the lowest estimate (then by name, so
     that equal replicas are chosen the same way every time)."""
     out = []
     for load in loads:
-        est = estimate_ms(load, layers, max_batch)
+        est = estimate_ms(load, layers)
         out.append(Choice(load.worker, est, load.warm, est <= budget_ms, load.forming))
     out.sort(key=lambda c: (not c.warm, not c.fits, not c.forming, c.estimate_ms, c.worker))
     return out
@@ -164,8 +162,8 @@ class OverBudget:
     hops: tuple[PlannedHop, ...]
 
 
-def plan_hops(hops: Sequence[Hop], loads: Callable[[int, int], Sequence[ReplicaLoad]], budget_ms: float,
-              max_batch: int) -> tuple[PlannedHop, ...] | OverBudget:
+def plan_hops(hops: Sequence[Hop], loads: Callable[[int, int], Sequence[ReplicaLoad]],
+              budget_ms: float) -> tuple[PlannedHop, ...] | OverBudget:
     """Rank the replicas of every hop; OverBudget when even the best choices
     together would take longer than `budget_ms`. `loads(gid, start)` gives
     the replicas of a hop's group (as seen for that start layer)."""
@@ -173,8 +171,7 @@ def plan_hops(hops: Sequence[Hop], loads: Callable[[int, int], Sequence[ReplicaL
     for hop in hops:
         # The budget of one hop is what the others leave it: rank by the whole
         # budget, the sum is checked below.
-        planned.append(PlannedHop(hop, tuple(rank_replicas(loads(hop.gid, hop.start), hop.layers, budget_ms,
-                                                           max_batch))))
+        planned.append(PlannedHop(hop, tuple(rank_replicas(loads(hop.gid, hop.start), hop.layers, budget_ms))))
     total = sum(p.estimate_ms for p in planned)
     if total > budget_ms:
         return OverBudget(total, budget_ms, tuple(planned))

@@ -27,7 +27,7 @@ import math
 import struct
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +37,8 @@ from aiohttp import web
 
 from gateway.forward import AttemptFailed, Trace, WorkerReply
 from gateway.layer_route import (
+    DEFAULT_MS_PER_LAYER,
+    DEFAULT_OVERHEAD_MS,
     Hop,
     OverBudget,
     ReplicaLoad,
@@ -50,7 +52,6 @@ from shardgrid.wire import ApiError, json_response
 
 MAX_INFER_ROWS = 1024  # as the workers' worker/infer.py MAX_REQUEST_ROWS
 MAX_WEIGHTS_BYTES = 256 << 20
-WORKER_MAX_BATCH = 64  # the workers' default batch (rows); only used to estimate queueing
 SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
 # The heartbeat reports in a routing table are as old as the table: the
 # gateway adopts a new one only when meta's revision changes. Past this age
@@ -116,22 +117,26 @@ def slice_weights(raw: bytes, first: int, last: int) -> bytes:
 
 @dataclass
 class _Seen:
-    """The gateway's own measure of one replica of one group."""
+    """The gateway's measure of one worker: the time a hop took there (from
+    sending to the answer: queueing, batching, network and compute) per
+    layer and per call the worker had in hand, smoothed with its mean
+    deviation as TCP smooths round trips."""
 
-    overhead_ms: float = 0.5
-    ms_per_layer: float = 0.05
-    queued: int = 0
-    failed_at: float = -math.inf
+    unit_ms: float = DEFAULT_MS_PER_LAYER
+    dev_ms: float = 0.0
+    measured: bool = False
+    queued: int = 0  # what the worker last said it had queued or running
+    failed_at: dict[int, float] = field(default_factory=dict)  # group -> when a call there failed
 
 
 class ModelLoads:
-    """What this gateway knows of the model replicas' load: its own calls in
+    """What this gateway knows of the model workers' load: its own calls in
     flight, what the answers said, and the workers' heartbeat reports."""
 
     def __init__(self) -> None:
         self._table_at: tuple[int, float] = (-1, 0.0)  # (revision, when this gateway first used it)
-        self.seen: dict[tuple[str, int], _Seen] = {}
-        self.inflight: Counter[tuple[str, int]] = Counter()
+        self.seen: dict[str, _Seen] = {}
+        self.inflight: Counter[str] = Counter()  # worker -> this gateway's infer calls to it
         self.forming: Counter[tuple[str, int, int]] = Counter()
 
     def loads(self, table: RoutingTable, gid: int, start: int, now: float) -> list[ReplicaLoad]:
@@ -147,23 +152,35 @@ class ModelLoads:
             if w is None or not w.addr or w.live is False:
                 continue
             report = _infer_report(table.view, wid, gid) if fresh else {}
-            seen = self.seen.get((wid, gid)) or _Seen()
-            warm = report.get("warm", True) is not False and now - seen.failed_at > SUSPECT_S
-            out.append(ReplicaLoad(wid, warm, max(seen.queued, int(report.get("queued") or 0)),
-                                   self.inflight[(wid, gid)], seen.ms_per_layer, seen.overhead_ms,
-                                   self.forming[(wid, gid, start)] > 0))
+            seen = self.seen.get(wid)
+            failed_at = seen.failed_at.get(gid, -math.inf) if seen is not None else -math.inf
+            warm = report.get("warm", True) is not False and now - failed_at > SUSPECT_S
+            if seen is not None and seen.measured:
+                unit, overhead = seen.unit_ms + 2 * seen.dev_ms, 0.0
+            else:
+                # Never measured here: the worker's own compute time per layer, if it said.
+                reported = report.get("ms_per_layer")
+                unit = float(reported) if isinstance(reported, (int, float)) and reported > 0 \
+                    else DEFAULT_MS_PER_LAYER
+                overhead = DEFAULT_OVERHEAD_MS
+            # The gateway's own count is current; a report is as old as the table or the last answer.
+            ahead = self.inflight[wid] or max(seen.queued if seen is not None else 0, int(report.get("queued") or 0))
+            out.append(ReplicaLoad(wid, warm, ahead, unit, overhead, self.forming[(wid, gid, start)] > 0))
         return out
 
-    def observe(self, wid: str, gid: int, hop: Hop, elapsed_ms: float, body: dict[str, Any]) -> None:
-        seen = self.seen.setdefault((wid, gid), _Seen())
-        compute = float(body.get("compute_ms") or 0.0)
-        per_layer = compute / max(1, hop.layers)
-        seen.ms_per_layer += EMA_ALPHA * (per_layer - seen.ms_per_layer)
-        seen.overhead_ms += EMA_ALPHA * (max(0.0, elapsed_ms - compute) - seen.overhead_ms)
+    def observe(self, wid: str, hop: Hop, elapsed_ms: float, in_hand: int, body: dict[str, Any]) -> None:
+        """A hop answered after `elapsed_ms`, sent when the worker had `in_hand` calls of ours (with it)."""
+        seen = self.seen.setdefault(wid, _Seen())
+        unit = elapsed_ms / max(1, hop.layers) / max(1, in_hand)
+        if not seen.measured:
+            seen.unit_ms, seen.dev_ms, seen.measured = unit, unit / 2, True
+        else:
+            seen.dev_ms += EMA_ALPHA * (abs(unit - seen.unit_ms) - seen.dev_ms)
+            seen.unit_ms += EMA_ALPHA * (unit - seen.unit_ms)
         seen.queued = int(body.get("queued") or 0)
 
     def failed(self, wid: str, gid: int, now: float) -> None:
-        self.seen.setdefault((wid, gid), _Seen()).failed_at = now
+        self.seen.setdefault(wid, _Seen()).failed_at[gid] = now
 
 
 def _infer_report(view: dict[str, Any], wid: str, gid: int) -> dict[str, Any]:
@@ -259,7 +276,7 @@ class ModelApi:
         while True:
             hops = self._plan(model, 0, avoid)
             planned = plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
-                                budget_ms, WORKER_MAX_BATCH)
+                                budget_ms)
             steps = planned.hops if isinstance(planned, OverBudget) else planned
             empty = {p.hop.gid for p in steps if not p.choices}
             if not empty:
@@ -278,7 +295,7 @@ class ModelApi:
             if not queue:
                 hops = self._plan(model, pos, avoid, tried)
                 queue = list(plan_hops(hops, lambda gid, start: self.loads.loads(table, gid, start, time.monotonic()),
-                                       math.inf, WORKER_MAX_BATCH))
+                                       math.inf))
             step = queue.pop(0)
             if not step.choices:
                 avoid.add(step.hop.gid)
@@ -300,6 +317,11 @@ class ModelApi:
         try:
             return plan_route(model.name, model.groups, model.layers, pos, avoid)
         except Uncovered as exc:
+            errors = [t.get("error", "") for t in tried or () if not t["ok"]]
+            if errors and all(e.startswith(("over_budget", "timeout")) for e in errors):
+                # Not down: too busy for what was left of the budget.
+                raise ApiError("over_budget", f"{exc}: the replicas tried could not answer within the budget "
+                               "left", tried=tried) from None
             raise ApiError("unavailable", f"{exc}: every replica tried failed", tried=tried or None) from None
 
     async def _hop(self, table: RoutingTable, hop: Hop, workers: list[str], x: bytes, rows: int, deadline: float,
@@ -316,8 +338,9 @@ class ModelApi:
                 continue
             trace.attempts += 1
             trace.leader = wid
-            key, form = (wid, hop.gid), (wid, hop.gid, hop.start)
-            self.loads.inflight[key] += 1
+            form = (wid, hop.gid, hop.start)
+            self.loads.inflight[wid] += 1
+            in_hand = self.loads.inflight[wid]
             self.loads.forming[form] += 1
             t0 = time.monotonic()
             body = {"start": hop.start, "end": hop.end, "rows": rows, "x": x,
@@ -329,11 +352,11 @@ class ModelApi:
             except AttemptFailed as exc:
                 reply, problem = None, str(exc)
             finally:
-                _decrement(self.loads.inflight, key)
+                _decrement(self.loads.inflight, wid)
                 _decrement(self.loads.forming, form)
             elapsed_ms = (time.monotonic() - t0) * 1000
             if reply is not None and reply.ok and isinstance(reply.body.get("y"), bytes):
-                self.loads.observe(wid, hop.gid, hop, elapsed_ms, reply.body)
+                self.loads.observe(wid, hop, elapsed_ms, in_hand, reply.body)
                 tried.append({"group": hop.gid, "worker": wid, "ok": True})
                 b = reply.body
                 return b["y"], {"group": hop.gid, "worker": wid, "start_layer": hop.start, "end_layer": hop.end,

@@ -93,7 +93,7 @@ def test_a_route_runs_every_layer_exactly_once_in_the_fewest_hops(case: tuple[li
 
 
 def load(worker: str, **kw: object) -> ReplicaLoad:
-    base: dict[str, object] = {"warm": True, "queued": 0, "inflight": 0, "ms_per_layer": 0.1, "overhead_ms": 1.0}
+    base: dict[str, object] = {"warm": True, "ahead": 0, "ms_per_layer": 0.1, "overhead_ms": 1.0}
     base.update(kw)
     return ReplicaLoad(worker, **base)  # type: ignore[arg-type]
 
@@ -102,31 +102,31 @@ def test_replicas_rank_warm_then_within_budget_then_forming_batch_then_estimate(
     loads = [
         load("cold", warm=False),
         load("slow", ms_per_layer=10.0),  # 100 ms for 10 layers: over a 50 ms budget
-        load("busy", queued=200),  # 200 ahead at 64 per pass: 4 passes
-        load("forming", queued=200, forming=True),  # joins the pass forming there
+        load("busy", ahead=20),  # 1 + 10 * 0.1 * 21 = 22 ms
+        load("forming", ahead=30, forming=True),  # 32 ms, but it joins a pass forming there
         load("idle"),
     ]
-    order = [c.worker for c in rank_replicas(loads, 10, 50.0, 64)]
+    order = [c.worker for c in rank_replicas(loads, 10, 50.0)]
     assert order == ["forming", "idle", "busy", "slow", "cold"]
 
 
-def test_estimates_grow_with_the_work_ahead() -> None:
-    assert estimate_ms(load("a"), 10, 64) == pytest.approx(2.0)
-    assert estimate_ms(load("a", inflight=64), 10, 64) == pytest.approx(3.0)
-    assert estimate_ms(load("a", inflight=64, forming=True), 10, 64) == pytest.approx(2.0)
+def test_estimates_grow_with_the_calls_a_worker_has_in_hand() -> None:
+    assert estimate_ms(load("a"), 10) == pytest.approx(2.0)
+    assert estimate_ms(load("a", ahead=3), 10) == pytest.approx(5.0)
+    assert estimate_ms(load("a", ahead=3, overhead_ms=0.0), 5) == pytest.approx(2.0)
 
 
 def test_a_route_that_cannot_fit_the_budget_is_refused_with_its_estimate() -> None:
     hops = plan_route("tiny", EXAMPLE, 24)
-    out = plan_hops(hops, lambda gid, start: [load("w1")], 3.0, 64)
+    out = plan_hops(hops, lambda gid, start: [load("w1")], 3.0)
     assert isinstance(out, OverBudget)
     # 1 ms overhead + layers * 0.1 ms, per hop: 2.2 + 1.6 + 1.6
     assert out.estimate_ms == pytest.approx(5.4)
-    fits = plan_hops(hops, lambda gid, start: [load("w1"), load("w2", warm=False)], 100.0, 64)
+    fits = plan_hops(hops, lambda gid, start: [load("w1"), load("w2", warm=False)], 100.0)
     assert not isinstance(fits, OverBudget)
     assert [[c.worker for c in p.choices] for p in fits] == [["w1", "w2"]] * 3
 
 
 def test_a_hop_with_no_replica_makes_the_route_over_budget() -> None:
-    out = plan_hops([Hop(3, 0, 11)], lambda gid, start: [], 1000.0, 64)
+    out = plan_hops([Hop(3, 0, 11)], lambda gid, start: [], 1000.0)
     assert isinstance(out, OverBudget) and out.estimate_ms == float("inf")
