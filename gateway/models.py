@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import struct
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ from typing import Any
 
 import msgpack
 import orjson
+import xxhash
 from aiohttp import web
 
 from gateway.forward import AttemptFailed, Trace, WorkerReply
@@ -48,7 +50,7 @@ from gateway.layer_route import (
 )
 from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable, Target
 from meta.client import MetaUnreachable
-from shardgrid.wire import ApiError, json_response
+from shardgrid.wire import ApiError, error_body, json_response, short_repr
 
 MAX_INFER_ROWS = 1024  # as the workers' worker/infer.py MAX_REQUEST_ROWS
 MAX_WEIGHTS_BYTES = 256 << 20
@@ -57,7 +59,9 @@ SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
 # gateway adopts a new one only when meta's revision changes. Past this age
 # they say nothing any more (the gateway's own observations still do).
 REPORT_FRESH_S = 5.0
+ESTIMATE_HALF_LIFE_S = 0.5
 EMA_ALPHA = 0.2
+_DIGITS = re.compile(r"[0-9]{1,18}")
 WEIGHTS_FORMAT = "shardgrid-weights/1"
 
 
@@ -103,7 +107,7 @@ def slice_weights(raw: bytes, first: int, last: int) -> bytes:
     """The weights file for layers first..last out of one covering them (no torch here)."""
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise _bad(f"the weights file is not msgpack: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != WEIGHTS_FORMAT or not isinstance(doc.get("layers"), dict):
         raise _bad(f"the weights file must be a {WEIGHTS_FORMAT!r} msgpack map with a 'layers' map")
@@ -124,9 +128,17 @@ class _Seen:
 
     unit_ms: float = DEFAULT_MS_PER_LAYER
     dev_ms: float = 0.0
-    measured: bool = False
+    measured_at: float | None = None  # monotonic s of the last answer measured
     queued: int = 0  # what the worker last said it had queued or running
     failed_at: dict[int, float] = field(default_factory=dict)  # group -> when a call there failed
+
+    def unit(self, now: float) -> float:
+        """Per layer and call in hand, pessimistic by two deviations, drifting back
+        to the default while nothing is measured: an estimate that makes the
+        gateway refuse every request would otherwise never be measured again."""
+        assert self.measured_at is not None
+        fade = 0.5 ** (max(0.0, now - self.measured_at) / ESTIMATE_HALF_LIFE_S)
+        return DEFAULT_MS_PER_LAYER + (self.unit_ms + 2 * self.dev_ms - DEFAULT_MS_PER_LAYER) * fade
 
 
 class ModelLoads:
@@ -155,8 +167,8 @@ class ModelLoads:
             seen = self.seen.get(wid)
             failed_at = seen.failed_at.get(gid, -math.inf) if seen is not None else -math.inf
             warm = report.get("warm", True) is not False and now - failed_at > SUSPECT_S
-            if seen is not None and seen.measured:
-                unit, overhead = seen.unit_ms + 2 * seen.dev_ms, 0.0
+            if seen is not None and seen.measured_at is not None:
+                unit, overhead = seen.unit(now), 0.0
             else:
                 # Never measured here: the worker's own compute time per layer, if it said.
                 reported = report.get("ms_per_layer")
@@ -168,15 +180,17 @@ class ModelLoads:
             out.append(ReplicaLoad(wid, warm, ahead, unit, overhead, self.forming[(wid, gid, start)] > 0))
         return out
 
-    def observe(self, wid: str, hop: Hop, elapsed_ms: float, in_hand: int, body: dict[str, Any]) -> None:
+    def observe(self, wid: str, hop: Hop, elapsed_ms: float, in_hand: int, body: dict[str, Any],
+                now: float) -> None:
         """A hop answered after `elapsed_ms`, sent when the worker had `in_hand` calls of ours (with it)."""
         seen = self.seen.setdefault(wid, _Seen())
         unit = elapsed_ms / max(1, hop.layers) / max(1, in_hand)
-        if not seen.measured:
-            seen.unit_ms, seen.dev_ms, seen.measured = unit, unit / 2, True
+        if seen.measured_at is None:
+            seen.unit_ms, seen.dev_ms = unit, unit / 2
         else:
             seen.dev_ms += EMA_ALPHA * (abs(unit - seen.unit_ms) - seen.dev_ms)
             seen.unit_ms += EMA_ALPHA * (unit - seen.unit_ms)
+        seen.measured_at = now
         seen.queued = int(body.get("queued") or 0)
 
     def failed(self, wid: str, gid: int, now: float) -> None:
@@ -356,7 +370,7 @@ class ModelApi:
                 _decrement(self.loads.forming, form)
             elapsed_ms = (time.monotonic() - t0) * 1000
             if reply is not None and reply.ok and isinstance(reply.body.get("y"), bytes):
-                self.loads.observe(wid, hop, elapsed_ms, in_hand, reply.body)
+                self.loads.observe(wid, hop, elapsed_ms, in_hand, reply.body, time.monotonic())
                 tried.append({"group": hop.gid, "worker": wid, "ok": True})
                 b = reply.body
                 return b["y"], {"group": hop.gid, "worker": wid, "start_layer": hop.start, "end_layer": hop.end,
@@ -380,8 +394,8 @@ class ModelApi:
         if request.content_type == "application/octet-stream":
             upload = raw
             if version is not None:
-                if not version.isdigit():
-                    raise _bad(f"version must be a positive integer, got {version!r}")
+                if not _DIGITS.fullmatch(version):
+                    raise _bad(f"version must be a positive integer, got {short_repr(version)}")
                 version = int(version)
         else:
             body = _json(raw)
@@ -404,8 +418,15 @@ class ModelApi:
                 op["weights"] = parts[g.gid]
             else:
                 op["seed"] = seed
-            reply = await self.gw.rt.fwd.write(g.gid, op, f"{opts.request_id}#g{g.gid}", "quorum", deadline, trace,
-                                               len(parts.get(g.gid, b"")))
+            # The write id names the update itself (version and weights), not only
+            # the request: a retry of the same update is deduplicated, while another
+            # update under a reused request id is a new write that the version rule judges.
+            source = str(seed) if upload is None else xxhash.xxh3_64_hexdigest(parts[g.gid])
+            rid = f"{opts.request_id}#g{g.gid}v{version}s{source}"
+            reply = await self.gw.rt.fwd.write(g.gid, op, rid, "quorum", deadline, trace, len(parts.get(g.gid, b"")))
+            if reply.ok and not _took(reply, version):
+                # Answered from the dedup table (no result): confirm what the group holds.
+                reply = await self._confirm(g.gid, version, deadline, trace)
             if reply.ok:
                 results.append({"group": g.gid, "version": version, "seq": reply.seq})
             else:
@@ -422,6 +443,15 @@ class ModelApi:
             return json_response(body, status=status)
         return json_response(body)
 
+    async def _confirm(self, gid: int, version: int, deadline: float, trace: Trace) -> WorkerReply:
+        reply = await self.gw.rt.fwd.read(gid, {"kind": "info"}, "strong", 0, deadline, trace)
+        if reply.ok and (reply.result or {}).get("version") != version:
+            held = (reply.result or {}).get("version")
+            return WorkerReply(409, "bad_request", error_body(
+                "bad_request", f"group {gid} holds version {held}, not {version}: an earlier attempt with this "
+                "request id was refused", shard=gid), reply.served_by, gid, reply.term, reply.seq)
+        return reply
+
     async def _next_version(self, model: ModelRoute, deadline: float, trace: Trace) -> int:
         highest = 0
         for g in model.groups:
@@ -431,6 +461,11 @@ class ModelApi:
                                f"{reply.error.get('message')}")
             highest = max(highest, int((reply.result or {}).get("version") or 0))
         return highest + 1
+
+
+def _took(reply: WorkerReply, version: int) -> bool:
+    result = reply.result
+    return isinstance(result, dict) and result.get("version") == version
 
 
 def _decrement(counter: Counter[Any], key: Any) -> None:

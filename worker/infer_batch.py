@@ -42,15 +42,19 @@ def plan_batch(queue: Sequence[Waiting], now: float, cost_s: Callable[[int], flo
         return BatchPlan((), expired, None)
     batch: list[int] = []
     rows = 0
+    tightest = float("inf")
     for i in live:
-        if batch and rows + queue[i].rows > max_rows:
+        more, deadline = rows + queue[i].rows, min(tightest, queue[i].deadline)
+        # A request joins only if the larger pass still finishes within every
+        # member's budget (its own included); else it waits for the next pass.
+        if batch and (more > max_rows or now + cost_s(more) > deadline):
             break
         batch.append(i)
-        rows += queue[i].rows
+        rows, tightest = more, deadline
     if rows >= max_rows or len(batch) < len(live) or expected_gap_s > max_wait_s:
         # Full, or nobody is expected to join: nothing to wait for.
         return BatchPlan(tuple(batch), expired, now)
-    latest = min(queue[i].deadline for i in batch) - cost_s(max_rows)
+    latest = tightest - cost_s(max_rows)
     wake = min(latest, min(queue[i].arrived for i in batch) + max_wait_s)
     if wake <= now:
         return BatchPlan(tuple(batch), expired, now)
@@ -58,19 +62,28 @@ def plan_batch(queue: Sequence[Waiting], now: float, cost_s: Callable[[int], flo
 
 
 class PassCost:
-    """What one forward pass costs, learnt from the passes run: an EMA of the
-    time per layer, scaled by rows beyond the usual batch (conservative: a
-    pass's fixed cost is counted again for every extra row)."""
+    """What one forward pass costs per layer, learnt from the passes run: a
+    fixed part (kernel launches, the Python around them) and a part per row,
+    each smoothed. A pass of one row measures the fixed part; a larger one
+    the rows beyond it."""
 
-    def __init__(self, ms_per_layer: float = 0.05, alpha: float = 0.2) -> None:
-        self.ms_per_layer = ms_per_layer
-        self.rows = 1.0
+    def __init__(self, base_ms: float = 0.05, row_ms: float = 0.0, alpha: float = 0.2) -> None:
+        self.base_ms = base_ms  # per layer, per pass
+        self.row_ms = row_ms  # per layer, per row beyond the first
         self.alpha = alpha
 
+    @property
+    def ms_per_layer(self) -> float:
+        """One row, one layer: what a lone request costs."""
+        return self.base_ms
+
     def observe(self, seconds: float, layers: int, rows: int) -> None:
+        per_layer = seconds * 1000 / max(1, layers)
         a = self.alpha
-        self.ms_per_layer += a * (seconds * 1000 / max(1, layers) - self.ms_per_layer)
-        self.rows += a * (rows - self.rows)
+        if rows <= 1:
+            self.base_ms += a * (per_layer - self.base_ms)
+        else:
+            self.row_ms += a * (max(0.0, per_layer - self.base_ms) / (rows - 1) - self.row_ms)
 
     def seconds(self, rows: int, layers: int) -> float:
-        return layers * self.ms_per_layer * max(1.0, rows / max(1.0, self.rows)) / 1000
+        return layers * (self.base_ms + self.row_ms * max(0, rows - 1)) / 1000

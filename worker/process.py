@@ -12,7 +12,9 @@ while this worker was away) is moved aside under a tombstone name.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -127,6 +129,8 @@ class WorkerNode:
         self.metrics = HttpMetrics("worker")
         reg = self.metrics.registry
         self.infer = InferenceService(cfg.id, log, reg, cfg.infer_max_rows, cfg.infer_max_wait_ms)
+        self._torch_ready = "worker.plugins.layers_model" in sys.modules
+        self._torch_loading = False
         labels = ["group"]
         self._gauges = {
             name: Gauge(f"shardgrid_group_{name}", doc, labels, registry=reg)
@@ -329,16 +333,41 @@ class WorkerNode:
                     self._drop_stale(gid)
                 continue
             if shell is None and gid not in self.corrupt:
+                if not self._torch_ready and gid in model_groups(topo):
+                    # Its plugin needs torch, whose import takes a second or more:
+                    # on a thread, then this view again (the loop serves meanwhile).
+                    self._load_torch()
+                    continue
                 shell = self._open_group(gid, topo)
             if shell is not None:
                 shell.deliver(_meta_view(g))
+
+    def _load_torch(self) -> None:
+        if self._torch_loading:
+            return
+        self._torch_loading = True
+
+        async def load() -> None:
+            try:
+                await asyncio.to_thread(importlib.import_module, "worker.plugins.layers_model")
+            finally:
+                self._torch_loading = False
+            self._torch_ready = True
+            if self.view is not None:
+                self._apply_view(self.view)
+        self._spawn(load())
+
+    async def _prebuild(self, gid: int, plugin: Any) -> None:
+        """A model group's weights, built before its first request (warm)."""
+        try:
+            await self.infer.ensure_built(plugin)
+        except Exception as exc:  # noqa: BLE001 - the first request builds them again, and says why
+            self.log.warning("infer_prebuild_failed", group=gid, error=f"{type(exc).__name__}: {exc}")
 
     def _open_group(self, gid: int, topo: dict[str, Any]) -> GroupShell | None:
         s = topo["settings"]
         name, plugin_settings = plugin_for(topo, gid)
         plugin = load_plugin(name, plugin_settings)
-        if name == "layers":
-            self.infer.warm_up()
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"]),
@@ -359,6 +388,8 @@ class WorkerNode:
             self.log.error("group_open_failed", group=gid, error=shell.failed)
         else:
             shell.start()
+            if name == "layers":
+                self._spawn(self._prebuild(gid, plugin))
         self.groups[gid] = shell
         return shell
 
@@ -512,7 +543,8 @@ class WorkerNode:
                    for gid, shell in self.groups.items()}
         for gid, shell in self.groups.items():
             if shell.plugin.name == "layers":
-                reports[str(gid)]["infer"] = {**self.infer.report(gid), "warm": infer_warm(shell),
+                reports[str(gid)]["infer"] = {**self.infer.report(gid),
+                                              "warm": infer_warm(shell) and shell.plugin.loaded,
                                               "version": shell.plugin.stats().get("version")}
         for gid, why in self.corrupt.items():
             reports[str(gid)] = {"state": "corrupt", "error": why}

@@ -66,6 +66,9 @@ def test_waiting_never_makes_a_request_miss_a_budget_it_could_meet(case: tuple[l
     if plan.run:
         rows = sum(q[i].rows for i in plan.run)
         assert rows <= max_rows or len(plan.run) == 1
+        if len(plan.run) > 1:
+            # Batching never makes a member late that could finish alone.
+            assert now + cost(rows) <= min(q[i].deadline for i in plan.run) + 1e-12
         assert list(plan.run) == sorted(plan.run)  # first come, first served
     elif plan.wake_at is not None:
         live = [w for i, w in enumerate(q) if i not in plan.expired]
@@ -76,10 +79,17 @@ def test_waiting_never_makes_a_request_miss_a_budget_it_could_meet(case: tuple[l
         assert plan.wake_at > now
 
 
-def test_pass_cost_learns_the_time_per_layer() -> None:
-    c = PassCost(ms_per_layer=1.0, alpha=0.5)
-    c.observe(seconds=0.012, layers=12, rows=1)
-    assert c.ms_per_layer == 1.0
+def test_a_request_with_little_budget_is_not_put_in_a_pass_too_large_for_it() -> None:
+    q = [Waiting(60, deadline=1.0, arrived=0.0), Waiting(1, deadline=0.005, arrived=0.0)]
+    # 61 rows cost 7.1 ms: more than the second request has; it waits for the next pass.
+    plan = plan_batch(q, 0.0, cost, 64, 0.002)
+    assert plan.run == (0,)
+
+
+def test_pass_cost_learns_a_fixed_part_and_a_part_per_row() -> None:
+    c = PassCost(base_ms=1.0, alpha=0.5)
     c.observe(seconds=0.024, layers=12, rows=1)
-    assert c.ms_per_layer == 1.5
-    assert c.seconds(rows=1, layers=10) == 0.015
+    assert c.base_ms == 1.5 and c.seconds(rows=1, layers=10) == 0.015
+    c.observe(seconds=0.012 * 1.5 + 0.012 * 0.1 * 9, layers=12, rows=10)  # 0.1 ms per extra row
+    assert abs(c.row_ms - 0.05) < 1e-9
+    assert abs(c.seconds(rows=1024, layers=12) - 12 * (1.5 + 0.05 * 1023) / 1000) < 1e-9

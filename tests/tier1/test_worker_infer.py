@@ -193,3 +193,92 @@ async def test_the_infer_call_answers_with_its_worker_and_refuses_an_entities_gr
     assert res.status == 200 and res.body["worker"] == "w1" and res.body["y"] == tensor_to_bytes(
         run_model(CFG, rows_to_tensor([row(0)], CFG.d_model)))
     assert info.value.code == "bad_request" and "holds no model layers" in info.value.message
+
+
+class _SlowWeights:
+    """Stands in for a Weights whose forward pass takes `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.version, self.first, self.last, self.d_model = seconds, 1, 0, 5, CFG.d_model
+
+    def forward(self, x: Any, start: int, end: int) -> Any:
+        import time
+
+        time.sleep(self.seconds)
+        return x
+
+
+class _SlowPlugin:
+    def __init__(self, seconds: float) -> None:
+        self.w = _SlowWeights(seconds)
+
+    def pending_build(self) -> None:
+        return None
+
+    def current(self) -> _SlowWeights:
+        return self.w
+
+
+async def test_a_request_whose_budget_is_gone_when_the_thread_gets_to_it_is_refused_not_answered_late() -> None:
+    svc, reg = service(max_wait_ms=0.0)
+    x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
+    try:
+        slow = asyncio.create_task(svc.infer(1, _SlowPlugin(0.3), 0, 5, x, 1, 5.0))
+        await asyncio.sleep(0.05)  # the slow pass holds the compute thread
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(ApiError) as info:
+            await svc.infer(2, plugin(), 0, 5, x, 1, 0.1)
+        waited = loop.time() - t0
+        assert (await slow)["version"] == 1
+    finally:
+        await svc.close()
+    assert info.value.code == "over_budget"
+    assert waited < 0.35  # answered when the thread got to it, not computed and sent late
+
+
+async def test_close_answers_the_requests_in_a_running_pass() -> None:
+    svc, _ = service(max_wait_ms=0.0)
+    x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
+    task = asyncio.create_task(svc.infer(1, _SlowPlugin(0.5), 0, 5, x, 1, 5.0))
+    await asyncio.sleep(0.1)
+    await svc.close()
+    with pytest.raises(ApiError) as info:
+        await asyncio.wait_for(task, 1.0)
+    assert info.value.code == "unavailable"
+
+
+async def test_a_worker_holding_its_limit_refuses_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.infer as infer_mod
+
+    monkeypatch.setattr(infer_mod, "MAX_PENDING", 2)
+    svc, reg = service(max_wait_ms=0.0)
+    x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
+    slow = _SlowPlugin(0.2)
+    try:
+        held = [asyncio.create_task(svc.infer(1, slow, 0, 5, x, 1, 5.0)) for _ in range(2)]
+        await asyncio.sleep(0.02)
+        with pytest.raises(ApiError) as info:
+            await svc.infer(1, slow, 0, 5, x, 1, 5.0)
+        await asyncio.gather(*held)
+    finally:
+        await svc.close()
+    assert info.value.code == "overloaded" and info.value.status == 503
+    assert reg.get_sample_value("shardgrid_worker_infer_refused_total", {"reason": "overloaded"}) == 1
+
+
+async def test_weights_set_by_seed_are_built_off_the_loop_and_an_apply_meanwhile_wins() -> None:
+    svc, _ = service()
+    p = plugin()
+    try:
+        assert not p.loaded
+        await svc.ensure_built(p)
+        assert p.loaded and p.current().version == 1
+        p.apply({"kind": "set_weights", "version": 2, "seed": 11}, ApplyContext(2, 1, 0))
+        token, build = p.pending_build()
+        p.apply({"kind": "set_weights", "version": 3, "seed": 12}, ApplyContext(3, 1, 0))
+        assert not p.install_built(token, build())  # version 2's weights arrive after version 3 was applied
+        await svc.ensure_built(p)
+        assert p.current().version == 3
+    finally:
+        await svc.close()

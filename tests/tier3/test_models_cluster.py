@@ -184,6 +184,14 @@ def test_a_weights_update_under_load_never_mixes_versions_in_a_hop_and_reaches_e
     code, old = http_json("POST", f"http://{cluster.gateways[0]}/v1/models/tiny/weights",
                           {"seed": 5, "version": 1}, timeout=15.0)
     assert code == 409 and old["error"]["code"] == "conflict", old
+    # Another update under the same request id is judged on its own, not answered from the dedup table.
+    code, reused = http_json("POST", f"http://{cluster.gateways[0]}/v1/models/tiny/weights",
+                             {"seed": 6, "version": 2}, timeout=15.0, headers={"x-request-id": "weights-v2"})
+    assert code == 409, reused
+    raw = "http://{}/v1/models/tiny/weights?version=%C2%B2".format(cluster.gateways[0])
+    code, bad = http_json("POST", raw, b"\x81\x91\x01\x02", timeout=5.0,
+                          headers={"content-type": "application/octet-stream"})
+    assert code == 400 and bad["error"]["code"] == "bad_request", bad
 
 
 def test_sigkill_of_a_hop_worker_under_load_is_routed_around_within_the_budget(cluster: Cluster) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgpack
 import xxhash
@@ -199,6 +199,29 @@ class LayersPlugin:
             s = self._state = _State(s.version, s.source, None, self._generate(s.version, s.seed))
         assert s.weights is not None
         return s.weights
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the weights in use are built (in memory), or still to be generated."""
+        return self._state.weights is not None
+
+    def pending_build(self) -> tuple[object, Callable[[], "Weights"]] | None:
+        """(token, build) when the weights in use are not built yet: `build`
+        may run on another thread (it reads only the immutable config and the
+        token's seed); `install_built(token, weights)` then adopts them on the
+        plugin's own thread, unless an apply replaced the state meanwhile."""
+        s = self._state
+        if s.weights is not None or s.seed is None:
+            return None
+        seed, version = s.seed, s.version
+        return s, lambda: self._generate(version, seed)
+
+    def install_built(self, token: object, weights: "Weights") -> bool:
+        s = self._state
+        if s is not token:
+            return False  # an apply came first: these weights are of a replaced version
+        self._state = _State(s.version, s.source, None, weights)
+        return True
 
     def _generate(self, version: int, seed: int) -> "Weights":
         lm = _model()
