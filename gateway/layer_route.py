@@ -14,8 +14,8 @@ A hop's replica is chosen by three questions, in order (the Czar Grid's):
 1. where is the range warm (the replica has applied its log and holds its
    weights in memory);
 2. which replicas can answer within the caller's remaining budget given
-   what they have already accepted (the calls they have in hand, from our
-   own count or their report, times their measured cost per layer and call);
+   what they have already accepted (the gateway's model of each worker's
+   time per layer against the calls it has in hand);
 3. where would the request join a batch already forming (a call of ours
    to that replica and start layer is in flight: the worker batches calls
    for the same range and start).
@@ -107,21 +107,16 @@ class ReplicaLoad:
 
     worker: str
     warm: bool
-    ahead: int  # calls the worker has in hand now (all its groups): the gateway's own in flight, or what it reported
-    ms_per_layer: float = DEFAULT_MS_PER_LAYER  # per layer, for each call in hand (measured: time / layers / calls)
-    overhead_ms: float = DEFAULT_OVERHEAD_MS  # a call's fixed cost while unmeasured
+    # What one layer of a call sent there now would take, given the calls it
+    # already has in hand (the gateway's load model: gateway/models.py).
+    ms_per_layer: float = DEFAULT_MS_PER_LAYER
+    overhead_ms: float = DEFAULT_OVERHEAD_MS  # a call's fixed cost, while the replica is unmeasured
     forming: bool = False  # a call of ours for the same start layer is in flight there
 
 
 def estimate_ms(load: ReplicaLoad, layers: int) -> float:
-    """When an answer from this replica would come back, in ms from now.
-
-    A worker shares one compute thread among the calls it has in hand, so a
-    call's time grows with them (Little's law): the measured cost per layer
-    of each call in hand, times the calls there would be with this one.
-    Measured at the current load, this includes what batching saves.
-    """
-    return load.overhead_ms + layers * load.ms_per_layer * (load.ahead + 1)
+    """When an answer from this replica would come back, in ms from now."""
+    return load.overhead_ms + layers * load.ms_per_layer
 
 
 @dataclass(frozen=True, slots=True)

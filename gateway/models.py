@@ -60,6 +60,7 @@ SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
 # they say nothing any more (the gateway's own observations still do).
 REPORT_FRESH_S = 5.0
 ESTIMATE_HALF_LIFE_S = 0.5
+MIN_LOAD_VARIANCE = 0.25  # of the calls in hand: below it the slope is unknown (taken as 0)
 EMA_ALPHA = 0.2
 _DIGITS = re.compile(r"[0-9]{1,18}")
 WEIGHTS_FORMAT = "shardgrid-weights/1"
@@ -121,29 +122,52 @@ def slice_weights(raw: bytes, first: int, last: int) -> bytes:
 
 @dataclass
 class _Seen:
-    """The gateway's measure of one worker: the time a hop took there (from
-    sending to the answer: queueing, batching, network and compute) per
-    layer and per call the worker had in hand, smoothed with its mean
-    deviation as TCP smooths round trips."""
+    """The gateway's load model of one worker: how long a hop takes there per
+    layer (from sending to the answer: queueing, batching, network, compute:
+    what a caller waits) against the number of this gateway's calls the worker
+    had in hand when it was sent. A line fitted with exponential forgetting:
+    the intercept is what a lone call costs, the slope what each call in hand
+    adds (small where batching shares passes, large where it does not). Until
+    calls were seen at several loads the slope is taken as zero, so admitted
+    load can grow and be measured; a residual deviation keeps it pessimistic,
+    and while nothing is measured it drifts back to the default (a model that
+    made the gateway refuse every call would otherwise never be corrected)."""
 
-    unit_ms: float = DEFAULT_MS_PER_LAYER
-    dev_ms: float = 0.0
+    mean_x: float = 1.0
+    mean_y: float = DEFAULT_MS_PER_LAYER
+    var_x: float = 0.0
+    cov_xy: float = 0.0
+    dev: float = 0.0
     measured_at: float | None = None  # monotonic s of the last answer measured
-    queued: int = 0  # what the worker last said it had queued or running
     failed_at: dict[int, float] = field(default_factory=dict)  # group -> when a call there failed
 
-    def unit(self, now: float) -> float:
-        """Per layer and call in hand, pessimistic by two deviations, drifting back
-        to the default while nothing is measured: an estimate that makes the
-        gateway refuse every request would otherwise never be measured again."""
+    def observe(self, in_hand: int, ms_per_layer: float, now: float) -> None:
+        x, y = float(in_hand), ms_per_layer
+        if self.measured_at is None:
+            self.mean_x, self.mean_y = x, y
+        else:
+            a = EMA_ALPHA
+            dx, dy = x - self.mean_x, y - self.mean_y
+            self.dev += a * (abs(y - self.predict(x)) - self.dev)
+            self.mean_x += a * dx
+            self.mean_y += a * dy
+            self.var_x = (1 - a) * (self.var_x + a * dx * dx)
+            self.cov_xy = (1 - a) * (self.cov_xy + a * dx * dy)
+        self.measured_at = now
+
+    def predict(self, in_hand: float) -> float:
+        slope = max(0.0, self.cov_xy / self.var_x) if self.var_x > MIN_LOAD_VARIANCE else 0.0
+        return max(0.0, self.mean_y + slope * (in_hand - self.mean_x))
+
+    def ms_per_layer(self, in_hand: int, now: float) -> float:
         assert self.measured_at is not None
         fade = 0.5 ** (max(0.0, now - self.measured_at) / ESTIMATE_HALF_LIFE_S)
-        return DEFAULT_MS_PER_LAYER + (self.unit_ms + 2 * self.dev_ms - DEFAULT_MS_PER_LAYER) * fade
+        return DEFAULT_MS_PER_LAYER + (self.predict(in_hand) + self.dev - DEFAULT_MS_PER_LAYER) * fade
 
 
 class ModelLoads:
     """What this gateway knows of the model workers' load: its own calls in
-    flight, what the answers said, and the workers' heartbeat reports."""
+    flight, the time its calls took, and the workers' heartbeat reports."""
 
     def __init__(self) -> None:
         self._table_at: tuple[int, float] = (-1, 0.0)  # (revision, when this gateway first used it)
@@ -167,31 +191,24 @@ class ModelLoads:
             seen = self.seen.get(wid)
             failed_at = seen.failed_at.get(gid, -math.inf) if seen is not None else -math.inf
             warm = report.get("warm", True) is not False and now - failed_at > SUSPECT_S
+            # Only the gateway's own count is current (a worker's `queued` is as old as
+            # its last answer or heartbeat); other gateways' calls there show in the
+            # times measured.
+            in_hand = self.inflight[wid] + 1
             if seen is not None and seen.measured_at is not None:
-                unit, overhead = seen.unit(now), 0.0
+                per_layer, overhead = seen.ms_per_layer(in_hand, now), 0.0
             else:
                 # Never measured here: the worker's own compute time per layer, if it said.
                 reported = report.get("ms_per_layer")
-                unit = float(reported) if isinstance(reported, (int, float)) and reported > 0 \
+                per_layer = float(reported) if isinstance(reported, (int, float)) and reported > 0 \
                     else DEFAULT_MS_PER_LAYER
                 overhead = DEFAULT_OVERHEAD_MS
-            # The gateway's own count is current; a report is as old as the table or the last answer.
-            ahead = self.inflight[wid] or max(seen.queued if seen is not None else 0, int(report.get("queued") or 0))
-            out.append(ReplicaLoad(wid, warm, ahead, unit, overhead, self.forming[(wid, gid, start)] > 0))
+            out.append(ReplicaLoad(wid, warm, per_layer, overhead, self.forming[(wid, gid, start)] > 0))
         return out
 
-    def observe(self, wid: str, hop: Hop, elapsed_ms: float, in_hand: int, body: dict[str, Any],
-                now: float) -> None:
+    def observe(self, wid: str, hop: Hop, elapsed_ms: float, in_hand: int, now: float) -> None:
         """A hop answered after `elapsed_ms`, sent when the worker had `in_hand` calls of ours (with it)."""
-        seen = self.seen.setdefault(wid, _Seen())
-        unit = elapsed_ms / max(1, hop.layers) / max(1, in_hand)
-        if seen.measured_at is None:
-            seen.unit_ms, seen.dev_ms = unit, unit / 2
-        else:
-            seen.dev_ms += EMA_ALPHA * (abs(unit - seen.unit_ms) - seen.dev_ms)
-            seen.unit_ms += EMA_ALPHA * (unit - seen.unit_ms)
-        seen.measured_at = now
-        seen.queued = int(body.get("queued") or 0)
+        self.seen.setdefault(wid, _Seen()).observe(in_hand, elapsed_ms / max(1, hop.layers), now)
 
     def failed(self, wid: str, gid: int, now: float) -> None:
         self.seen.setdefault(wid, _Seen()).failed_at[gid] = now
@@ -300,7 +317,10 @@ class ModelApi:
             trace.outcome = "over_budget"
             raise ApiError("over_budget", f"no route through model {model.name!r} fits the budget: about "
                            f"{planned.estimate_ms:.1f} ms for {len(hops)} hops, {max(0.0, budget_ms):.1f} ms left",
-                           estimate_ms=round(planned.estimate_ms, 3), budget_ms=round(max(0.0, budget_ms), 3))
+                           estimate_ms=round(planned.estimate_ms, 3), budget_ms=round(max(0.0, budget_ms), 3),
+                           hops=[{"group": p.hop.gid, "start_layer": p.hop.start, "end_layer": p.hop.end,
+                                  "worker": p.choices[0].worker if p.choices else None,
+                                  "estimate_ms": round(p.estimate_ms, 3)} for p in planned.hops])
         route: list[dict[str, Any]] = []
         tried: list[dict[str, Any]] = []
         pos = 0
@@ -370,7 +390,7 @@ class ModelApi:
                 _decrement(self.loads.forming, form)
             elapsed_ms = (time.monotonic() - t0) * 1000
             if reply is not None and reply.ok and isinstance(reply.body.get("y"), bytes):
-                self.loads.observe(wid, hop, elapsed_ms, in_hand, reply.body, time.monotonic())
+                self.loads.observe(wid, hop, elapsed_ms, in_hand, time.monotonic())
                 tried.append({"group": hop.gid, "worker": wid, "ok": True})
                 b = reply.body
                 return b["y"], {"group": hop.gid, "worker": wid, "start_layer": hop.start, "end_layer": hop.end,

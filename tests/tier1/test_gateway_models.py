@@ -148,3 +148,24 @@ async def test_a_group_without_a_live_replica_is_routed_around_or_named() -> Non
     with pytest.raises(ApiError) as info:
         await run({1: (0, 11, ["w3"])}, w, dead=("w3",))
     assert info.value.code == "unavailable" and "layers 0-11" in info.value.message
+
+
+def test_the_load_model_learns_what_each_call_in_hand_adds_and_forgets_when_unmeasured() -> None:
+    from gateway.layer_route import DEFAULT_MS_PER_LAYER
+    from gateway.models import ESTIMATE_HALF_LIFE_S, _Seen
+
+    seen = _Seen()
+    t = 0.0
+    for i in range(400):  # 1 ms per layer alone, 0.1 ms more per call in hand
+        in_hand = 1 + (i % 20)
+        seen.observe(in_hand, 1.0 + 0.1 * (in_hand - 1), t)
+    assert seen.predict(1) == pytest.approx(1.0, abs=0.05)
+    assert seen.predict(41) == pytest.approx(5.0, abs=0.2)
+    assert seen.ms_per_layer(41, t) >= seen.predict(41)  # never below the fit
+    later = t + 10 * ESTIMATE_HALF_LIFE_S
+    assert seen.ms_per_layer(41, later) == pytest.approx(DEFAULT_MS_PER_LAYER, abs=0.01)
+    # Seen at one load only: no slope is assumed, so more load may be admitted and measured.
+    flat = _Seen()
+    for _ in range(50):
+        flat.observe(4, 2.0, 0.0)
+    assert flat.predict(40) == pytest.approx(2.0)

@@ -93,7 +93,7 @@ def test_a_route_runs_every_layer_exactly_once_in_the_fewest_hops(case: tuple[li
 
 
 def load(worker: str, **kw: object) -> ReplicaLoad:
-    base: dict[str, object] = {"warm": True, "ahead": 0, "ms_per_layer": 0.1, "overhead_ms": 1.0}
+    base: dict[str, object] = {"warm": True, "ms_per_layer": 0.1, "overhead_ms": 1.0}
     base.update(kw)
     return ReplicaLoad(worker, **base)  # type: ignore[arg-type]
 
@@ -101,19 +101,18 @@ def load(worker: str, **kw: object) -> ReplicaLoad:
 def test_replicas_rank_warm_then_within_budget_then_forming_batch_then_estimate() -> None:
     loads = [
         load("cold", warm=False),
-        load("slow", ms_per_layer=10.0),  # 100 ms for 10 layers: over a 50 ms budget
-        load("busy", ahead=20),  # 1 + 10 * 0.1 * 21 = 22 ms
-        load("forming", ahead=30, forming=True),  # 32 ms, but it joins a pass forming there
+        load("slow", ms_per_layer=10.0),  # 101 ms for 10 layers: over a 50 ms budget
+        load("busy", ms_per_layer=2.0),  # 21 ms
+        load("forming", ms_per_layer=3.0, forming=True),  # 31 ms, but it joins a pass forming there
         load("idle"),
     ]
     order = [c.worker for c in rank_replicas(loads, 10, 50.0)]
     assert order == ["forming", "idle", "busy", "slow", "cold"]
 
 
-def test_estimates_grow_with_the_calls_a_worker_has_in_hand() -> None:
+def test_an_estimate_is_the_fixed_cost_and_the_layers() -> None:
     assert estimate_ms(load("a"), 10) == pytest.approx(2.0)
-    assert estimate_ms(load("a", ahead=3), 10) == pytest.approx(5.0)
-    assert estimate_ms(load("a", ahead=3, overhead_ms=0.0), 5) == pytest.approx(2.0)
+    assert estimate_ms(load("a", overhead_ms=0.0, ms_per_layer=0.4), 5) == pytest.approx(2.0)
 
 
 def test_a_route_that_cannot_fit_the_budget_is_refused_with_its_estimate() -> None:
