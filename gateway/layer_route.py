@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from topology.model import render_runs, uncovered_layers
+
 # Before a replica has been measured: the cost of one layer for one batch,
 # and of a call's round trip (gateway <-> worker on one machine).
 DEFAULT_MS_PER_LAYER = 0.05
@@ -57,26 +59,8 @@ class Uncovered(ValueError):
     """No group (among those still usable) covers these layers."""
 
     def __init__(self, model: str, missing: list[tuple[int, int]]) -> None:
-        runs = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missing)
-        super().__init__(f"layers {runs} of model {model!r} are not covered by any available group")
+        super().__init__(f"layers {render_runs(missing)} of model {model!r} are not covered by any available group")
         self.missing = missing
-
-
-def uncovered(groups: Iterable[RangeGroup], n_layers: int, start: int = 0) -> list[tuple[int, int]]:
-    """The inclusive runs of layers start..n_layers-1 no group covers."""
-    covered = [False] * n_layers
-    for g in groups:
-        for i in range(max(g.first, start), min(g.last, n_layers - 1) + 1):
-            covered[i] = True
-    runs: list[tuple[int, int]] = []
-    for i in range(start, n_layers):
-        if covered[i]:
-            continue
-        if runs and runs[-1][1] == i - 1:
-            runs[-1] = (runs[-1][0], i)
-        else:
-            runs.append((i, i))
-    return runs
 
 
 def plan_route(model: str, groups: Sequence[RangeGroup], n_layers: int, start: int = 0,
@@ -91,7 +75,7 @@ def plan_route(model: str, groups: Sequence[RangeGroup], n_layers: int, start: i
     while pos < n_layers:
         here = [g for g in usable if g.first <= pos <= g.last]
         if not here:
-            raise Uncovered(model, uncovered(usable, n_layers, start))
+            raise Uncovered(model, uncovered_layers(((g.first, g.last) for g in usable), n_layers, start))
         reach = max(g.last for g in here)
         best = min((g for g in here if g.last == reach),
                    key=lambda g: (prefer(g.gid) if prefer is not None else 0.0, g.gid))

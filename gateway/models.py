@@ -51,8 +51,8 @@ from gateway.layer_route import (
 from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable, Target
 from meta.client import MetaUnreachable
 from shardgrid.wire import ApiError, error_body, json_response, short_repr
+from topology.model import MAX_INFER_ROWS, WEIGHTS_FORMAT
 
-MAX_INFER_ROWS = 1024  # as the workers' worker/infer.py MAX_REQUEST_ROWS
 MAX_WEIGHTS_BYTES = 256 << 20
 SUSPECT_S = 2.0  # a replica that failed a call is tried last for this long
 # The heartbeat reports in a routing table are as old as the table: the
@@ -63,7 +63,6 @@ ESTIMATE_HALF_LIFE_S = 0.5
 MIN_LOAD_VARIANCE = 0.25  # of the calls in hand: below it the slope is unknown (taken as 0)
 EMA_ALPHA = 0.2
 _DIGITS = re.compile(r"[0-9]{1,18}")
-WEIGHTS_FORMAT = "shardgrid-weights/1"
 
 
 def _bad(message: str) -> ApiError:

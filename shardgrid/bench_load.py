@@ -52,6 +52,7 @@ import orjson
 from yarl import URL
 
 from shardgrid.bench_stats import KindStats, encode, new_histogram, record_us
+from topology.model import MAX_INFER_ROWS
 
 # -- the operation mix -----------------------------------------------------------------------
 
@@ -73,7 +74,6 @@ ETCD_KINDS = ("put", "get", "delete")
 TARGETS = ("shardgrid", "etcd", "etcd-grpc", "inproc")
 ETCD_TARGETS = ("etcd", "etcd-grpc")
 MAX_BATCH = 1000  # the gateway's limit on writes per /batch
-MAX_INFER_ROWS = 1024  # the workers' limit on rows per inference request
 INFER_POOL = 64  # distinct request bodies an infer load cycles through
 
 _WEIGHT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")

@@ -8,10 +8,42 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 ACK_MODES = ("leader", "quorum", "all")
 FSYNC_MODES = ("batch", "always", "none")
+# The format tag of a model's weights file (uploads and a group's snapshot alike).
+WEIGHTS_FORMAT = "shardgrid-weights/1"
+# The most rows one inference request carries (gateway, workers and bench alike).
+MAX_INFER_ROWS = 1024
+
+
+def layer_weight_bytes(d_model: int, d_hidden: int) -> int:
+    """Bytes of one layer's float32 tensors: w1, w2 (d_hidden x d_model), b1 (d_hidden), b2 and gain (d_model)."""
+    return 4 * (2 * d_model * d_hidden + d_hidden + 2 * d_model)
+
+
+def uncovered_layers(spans: Iterable[tuple[int, int]], layers: int, start: int = 0) -> list[tuple[int, int]]:
+    """The inclusive runs of layers start..layers-1 that no (first, last) span covers."""
+    covered = [False] * layers
+    for first, last in spans:
+        for i in range(max(first, start), min(last, layers - 1) + 1):
+            covered[i] = True
+    runs: list[tuple[int, int]] = []
+    for i in range(start, layers):
+        if covered[i]:
+            continue
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def render_runs(runs: Iterable[tuple[int, int]]) -> str:
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 # The plugin of the entity shards; a model's groups always run `layers`.
 PLUGINS = ("entities",)
 

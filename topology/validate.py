@@ -28,6 +28,9 @@ from topology.model import (
     MetaNode,
     ModelGroupSpec,
     ModelSpec,
+    layer_weight_bytes,
+    render_runs,
+    uncovered_layers,
     Settings,
     Topology,
     WorkerSpec,
@@ -543,7 +546,7 @@ def _models(c: _Checker, raw: object, shards: int | None, rf: int | None,
             if layers is not None:
                 _check_cover(c, f"{path}.groups", groups, layers)
             if d_model is not None and d_hidden is not None:
-                per_layer = 4 * (2 * d_model * d_hidden + d_hidden + 2 * d_model)
+                per_layer = layer_weight_bytes(d_model, d_hidden)
                 for j, g in enumerate(groups):
                     size = per_layer * (g.last - g.first + 1)
                     if size > MAX_GROUP_WEIGHTS_BYTES:
@@ -616,26 +619,6 @@ def _layer_range(c: _Checker, raw: object, path: str, layers: int | None) -> tup
         c.add(path, f"first layer {first} is after last layer {last}")
         return None
     return first, last
-
-
-def uncovered_layers(spans: Sequence[tuple[int, int]], layers: int) -> list[tuple[int, int]]:
-    """The inclusive runs of layers 0..layers-1 that no span covers."""
-    covered = [False] * layers
-    for first, last in spans:
-        for i in range(first, last + 1):
-            covered[i] = True
-    runs: list[tuple[int, int]] = []
-    for i, hit in enumerate(covered):
-        if not hit:
-            if runs and runs[-1][1] == i - 1:
-                runs[-1] = (runs[-1][0], i)
-            else:
-                runs.append((i, i))
-    return runs
-
-
-def render_runs(runs: Sequence[tuple[int, int]]) -> str:
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check_cover(c: _Checker, path: str, groups: tuple[ModelGroupSpec, ...], layers: int) -> None:

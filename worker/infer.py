@@ -28,7 +28,6 @@ from worker.plugins.base import import_torch
 
 DEFAULT_MAX_ROWS = 64
 DEFAULT_MAX_WAIT_MS = 2.0
-MAX_REQUEST_ROWS = 1024
 GAP_ALPHA = 0.2
 # Requests held (queued or in a pass) by one worker, all groups: past either,
 # a new one is refused at once (503 overloaded, nothing queued) while the

@@ -27,7 +27,8 @@ from worker import replica_msgs as m
 from worker.capacity import refusal
 from worker.codec import MalformedMessage, decode_message
 from worker.group import GroupOverloaded
-from worker.infer import MAX_REQUEST_ROWS, infer_warm
+from topology.model import MAX_INFER_ROWS
+from worker.infer import infer_warm
 from worker.throttle import SNAPSHOT_BUSY
 from worker.transport import HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
@@ -504,8 +505,8 @@ class WorkerApi:
         if not weights.first <= start <= end <= weights.last:
             raise ApiError("bad_request", f"layers {start}-{end} are not within group {shell.gid}'s "
                            f"{weights.first}-{weights.last}", shard=shell.gid)
-        if not 1 <= rows <= MAX_REQUEST_ROWS or len(x) != rows * weights.d_model * 4:
-            raise ApiError("bad_request", f"x must hold rows (1..{MAX_REQUEST_ROWS}) x {weights.d_model} float32 "
+        if not 1 <= rows <= MAX_INFER_ROWS or len(x) != rows * weights.d_model * 4:
+            raise ApiError("bad_request", f"x must hold rows (1..{MAX_INFER_ROWS}) x {weights.d_model} float32 "
                            f"values, got {len(x)} bytes for {rows} rows", shard=shell.gid)
         out = await self.node.infer.infer(shell.gid, shell.plugin, start, end, x, rows, _timeout(body))
         out["worker"] = self.node.id

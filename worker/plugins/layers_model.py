@@ -54,11 +54,11 @@ from typing import Any, Mapping
 import msgpack
 import xxhash
 
+from topology.model import WEIGHTS_FORMAT, layer_weight_bytes
 from worker.plugins.base import import_torch
 
 torch = import_torch()
 
-WEIGHTS_FORMAT = "shardgrid-weights/1"
 TENSOR_NAMES = ("w1", "b1", "w2", "b2", "gain")
 EPS = 1e-6
 SEED_MAX = 2**63 - 1
@@ -102,7 +102,7 @@ class ModelConfig:
 
     def layer_bytes(self) -> int:
         """Bytes of one layer's float32 tensors."""
-        return 4 * sum(math.prod(s) for s in self.shapes().values())
+        return layer_weight_bytes(self.d_model, self.d_hidden)
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # tensors have no bool ==
@@ -222,7 +222,7 @@ class Weights:
         return x
 
     def nbytes(self) -> int:
-        return len(self.layers) * 4 * (2 * self.d_model * self.d_hidden + self.d_hidden + 2 * self.d_model)
+        return len(self.layers) * layer_weight_bytes(self.d_model, self.d_hidden)
 
 
 def run_model(cfg: ModelConfig, x: torch.Tensor, seed: int | None = None) -> torch.Tensor:
