@@ -120,6 +120,14 @@ class _Checker:
             if key not in mapping:
                 self.add(_join(path, key), "required key is missing")
 
+    def unique(self, seen: dict[str, str], value: str, path: str, what: str) -> bool:
+        """Whether `value` is new in `seen` (recording it at `path`); reports a duplicate otherwise."""
+        if value in seen:
+            self.add(path, f"duplicate {what} {value!r} (also {seen[value]})")
+            return False
+        seen[value] = path
+        return True
+
     def want_mapping(self, v: object, path: str) -> dict[Any, Any] | None:
         if isinstance(v, dict):
             return v
@@ -314,12 +322,8 @@ def _meta_nodes(c: _Checker, raw: object, addresses: _AddressBook) -> tuple[Meta
             continue
         c.keys(m, path, META_KEYS, META_KEYS)
         mid = c.want_id(m["id"], f"{path}.id") if "id" in m else None
-        if mid is not None:
-            if mid in seen:
-                c.add(f"{path}.id", f"duplicate meta id {mid!r} (also {seen[mid]})")
-                ok = False
-            else:
-                seen[mid] = f"{path}.id"
+        if mid is not None and not c.unique(seen, mid, f"{path}.id", "meta id"):
+            ok = False
         raft = c.want_address(m["raft"], f"{path}.raft") if "raft" in m else None
         addresses.claim(raft, f"{path}.raft")
         http = c.want_address(m["http"], f"{path}.http") if "http" in m else None
@@ -359,12 +363,9 @@ def _workers(
         if wid is None:
             ids_known = False
         else:
-            if wid in seen:
-                c.add(f"{path}.id", f"duplicate worker id {wid!r} (also {seen[wid]})")
+            if not c.unique(seen, wid, f"{path}.id", "worker id"):
                 duplicates += 1
                 ok = False
-            else:
-                seen[wid] = f"{path}.id"
         http = c.want_address(w["http"], f"{path}.http") if "http" in w else None
         addresses.claim(http, f"{path}.http")
         zone: str | None = "default"
@@ -522,12 +523,8 @@ def _models(c: _Checker, raw: object, shards: int | None, rf: int | None,
             continue
         c.keys(m, path, MODEL_KEYS, MODEL_REQUIRED)
         name = c.want_id(m["name"], f"{path}.name") if "name" in m else None
-        if name is not None:
-            if name in names:
-                c.add(f"{path}.name", f"duplicate model name {name!r} (also {names[name]})")
-                name = None
-            else:
-                names[name] = f"{path}.name"
+        if name is not None and not c.unique(names, name, f"{path}.name", "model name"):
+            name = None
         layers = c.want_int(m["layers"], f"{path}.layers", 1, MAX_LAYERS) if "layers" in m else None
         d_model = c.want_int(m["d_model"], f"{path}.d_model", 1, MAX_WIDTH) if "d_model" in m else None
         d_hidden = c.want_int(m["d_hidden"], f"{path}.d_hidden", 1, MAX_WIDTH) if "d_hidden" in m \

@@ -2,41 +2,20 @@
 refusals under an impossible budget, and the in-process baseline; each run short, nothing left behind."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import orjson
 import pytest
+
+from tests.support.bench_run import alive, run_bench
 
 pytestmark = pytest.mark.tier3
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "layers.yaml")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _bench(tmp_path: Path, *argv: str, expect_rc: int = 0) -> tuple[dict, str, str]:
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "shardgrid.cli", "bench", "--topology", EXAMPLE, "--mix", "infer=100",
-           "--json", str(out), *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:  # the cluster and the generators are in its process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == expect_rc, stderr[-3000:]
-    return orjson.loads(out.read_bytes()), stdout, stderr
+    return run_bench(tmp_path / "bench.json", "--topology", EXAMPLE, "--mix", "infer=100", *argv,
+                     expect_rc=expect_rc)
 
 
 def _assert_cluster_gone(r: dict, stderr: str, tmp_path: Path) -> None:
@@ -44,7 +23,7 @@ def _assert_cluster_gone(r: dict, stderr: str, tmp_path: Path) -> None:
     assert len(stopped) == 1, stderr[-3000:]
     codes = [part.strip() for part in stopped[0][len("[cluster] stopped:"):].split(",")]
     assert codes and all(c.rpartition("=")[2] == "0" for c in codes), stopped[0]
-    assert not [p for p in map(int, r["cluster"]["pids"]) if _alive(p)]
+    assert not [p for p in map(int, r["cluster"]["pids"]) if alive(p)]
     assert list((tmp_path / "data").iterdir()) == []
 
 

@@ -6,40 +6,19 @@ data directory — whether the cluster is shardgrid or etcd.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import orjson
 import pytest
+
+from tests.support.bench_run import alive, run_bench
 
 pytestmark = pytest.mark.tier3
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str, str]:
-    out = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "shardgrid.cli", "bench", "--cluster", "local", "--data-dir", str(tmp_path / "data"),
-            "--duration", "2", "--warmup", "1", "--json", str(out), *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:  # the cluster and the generators are in its process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
-    return orjson.loads(out.read_bytes()), stdout, stderr
+    return run_bench(tmp_path / "bench.json", "--cluster", "local", "--data-dir", str(tmp_path / "data"),
+                     "--duration", "2", "--warmup", "1", *extra)
 
 
 def _assert_left_nothing(r: dict, stderr: str, tmp_path: Path, clean: set[str]) -> None:
@@ -49,7 +28,7 @@ def _assert_left_nothing(r: dict, stderr: str, tmp_path: Path, clean: set[str]) 
     codes = [part.strip() for part in stopped[0][len("[cluster] stopped:"):].split(",")]
     assert codes and all(c.rpartition("=")[2] in clean for c in codes), stopped[0]
     pids = [int(p) for p in r["cluster"]["pids"]]
-    assert len(pids) == len(codes) and not [p for p in pids if _alive(p)]
+    assert len(pids) == len(codes) and not [p for p in pids if alive(p)]
     assert list((tmp_path / "data").iterdir()) == []  # the run's data directory is removed
 
 
