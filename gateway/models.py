@@ -252,12 +252,23 @@ class ModelApi:
 
     async def _fresh_view(self, table: RoutingTable) -> dict[str, Any]:
         """Meta's view now (its heartbeat reports are current), else the table's."""
-        try:
-            status, body, _ = await self.gw.rt.meta.request("GET", "/v1/cluster", deadline_s=2.0,
-                                                            attempt_timeout_s=1.0)
-        except MetaUnreachable:
-            return table.view
-        return body if status == 200 and isinstance(body, dict) else table.view
+        meta = self.gw.rt.meta
+        for _ in range(2):
+            try:
+                status, body, _ = await meta.request("GET", "/v1/cluster", deadline_s=2.0, attempt_timeout_s=1.0)
+            except MetaUnreachable:
+                return table.view
+            if status != 200 or not isinstance(body, dict):
+                return table.view
+            leader = body.get("meta_leader")
+            if leader is None or body.get("served_by") == leader:
+                return body
+            # Heartbeat reports live on the meta leader only: ask it.
+            http = next((m.get("http") for m in body.get("meta") or () if m.get("id") == leader), None)
+            if not http:
+                return body
+            meta.prefer(http)
+        return body
 
     def _describe(self, table: RoutingTable, view: dict[str, Any], model: ModelRoute) -> dict[str, Any]:
         groups = []
@@ -266,8 +277,9 @@ class ModelApi:
             replicas = []
             for wid in (*(route.voters if route else ()), *(route.learners if route else ())):
                 rep = _infer_report(view, wid, g.gid)
-                w = table.workers.get(wid)
-                replicas.append({"worker": wid, "live": w.live if w else None, "warm": rep.get("warm"),
+                w = (view.get("workers") or {}).get(wid)
+                replicas.append({"worker": wid, "live": w.get("live") if isinstance(w, dict) else None,
+                                 "warm": rep.get("warm"),
                                  "version": rep.get("version"), "queued": rep.get("queued"),
                                  "ms_per_layer": rep.get("ms_per_layer")})
             groups.append({"id": g.gid, "first": g.first, "last": g.last,

@@ -543,6 +543,9 @@ class WorkerNode:
                    for gid, shell in self.groups.items()}
         for gid, shell in self.groups.items():
             if shell.plugin.name == "layers":
+                if not shell.plugin.loaded and shell.replica is not None:
+                    # A version set by seed since: built now, before a request needs it.
+                    self._spawn(self._prebuild(gid, shell.plugin))
                 reports[str(gid)]["infer"] = {**self.infer.report(gid),
                                               "warm": infer_warm(shell) and shell.plugin.loaded,
                                               "version": shell.plugin.stats().get("version")}

@@ -29,7 +29,8 @@ D_MODEL = 64
 def topology(c: Cluster) -> str:
     """The test cluster's addresses with the example's model (24 layers on 0-11, 8-17, 14-23, RF 2)."""
     models = yaml.safe_load(EXAMPLE.read_text())["models"]
-    return c.topology_yaml(shards=1, rf=3) + yaml.safe_dump({"models": models})
+    # snapshot_every 2: a few weights updates compact a group's log (a new replica must download the snapshot).
+    return c.topology_yaml(shards=1, rf=3, snapshot_every=2) + yaml.safe_dump({"models": models})
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +193,35 @@ def test_a_weights_update_under_load_never_mixes_versions_in_a_hop_and_reaches_e
     code, bad = http_json("POST", raw, b"\x81\x91\x01\x02", timeout=5.0,
                           headers={"content-type": "application/octet-stream"})
     assert code == 400 and bad["error"]["code"] == "bad_request", bad
+
+
+def test_a_replica_added_after_its_log_was_compacted_installs_the_weights_snapshot(cluster: Cluster) -> None:
+    gw = f"http://{cluster.gateways[0]}"
+    for v in (3, 4, 5):
+        code, body = http_json("POST", f"{gw}/v1/models/tiny/weights", {"seed": 100 + v, "version": v}, timeout=15.0)
+        assert code == 200, body
+    group = cluster.view()["groups"]["1"]  # layers 0-11
+    newcomer = next(w for w, _, _ in cluster.workers if w not in group["voters"])
+    res = cluster.topoctl("replicas", "1", "--add", newcomer, "--wait", "60", timeout=70)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    last: list[Any] = []
+
+    def everyone_on_v5() -> bool:
+        code, model = http_json("GET", f"{gw}/v1/models/tiny", timeout=3.0)
+        last[:] = [model]
+        reps = {r["worker"]: r for r in model["groups"][0]["replicas"]} if code == 200 else {}
+        return newcomer in reps and all(r["version"] == 5 and r["warm"] for r in reps.values())
+    try:
+        wait_until(everyone_on_v5, 30, f"{newcomer}'s new replica of group 1 to serve version 5")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {last}") from None
+    log = (cluster.root / "logs" / f"{newcomer}.log").read_text()
+    assert any("snapshot_downloaded" in line and '"group": 1' in line.replace('"group":1', '"group": 1')
+               for line in log.splitlines()), "the new replica did not install a snapshot"
+    inputs = rows(3, seed=9)
+    code, body, _ = infer(cluster, inputs)
+    assert code == 200 and f32(body["output"]) == reference(cluster, inputs, seed=105)
 
 
 def test_sigkill_of_a_hop_worker_under_load_is_routed_around_within_the_budget(cluster: Cluster) -> None:
