@@ -108,9 +108,3 @@ def stop_all(children: Sequence[Child], timeout: float = 10.0) -> dict[str, int 
     for child in children:
         codes[child.name] = child.stop(max(0.1, deadline - time.monotonic()))
     return codes
-
-
-def become_subreaper() -> None:
-    """Adopt orphaned descendants so that nothing outlives this process."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER

@@ -15,9 +15,11 @@ views, timer ticks), feeds them to the core, then performs the effects:
 2. then everything else in order: sends, applies (the plugin), replies,
    reads, reports to meta.
 
-That honours the core's durability contract (no effect is performed before
-every earlier Persist is durable): effects are only ever delayed, never
-reordered ahead of a Persist.
+That honours the core's durability contract (worker/replica.py, "Durability
+contract with the I/O shell": no effect is performed before every earlier
+Persist is durable, and a Persist's parts go to the WAL in the contract's
+order, `_persist_all`): effects are only ever delayed, never reordered ahead
+of a Persist.
 
 Snapshots: the core asks for one (TakeSnapshot(S)) after the entry S that
 completes (a per-replica 3/4 to all of) `snapshot_every` client writes; the

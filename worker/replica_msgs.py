@@ -344,9 +344,11 @@ Event: TypeAlias = (
 
 @dataclass(slots=True)
 class Persist:
-    """Make durable, in this order: install `snapshot` (drop entries up to
-    its seq), drop entries after `truncate_after`, append `entries`, record
-    `term` and `commit` (each None when unchanged)."""
+    """Make durable: `term`, `snapshot` (drop entries up to its seq), drop
+    entries after `truncate_after`, append `entries`, `commit` (each None or
+    empty when unchanged). The order, and what may and may not be performed
+    before it is durable, is the durability contract in worker/replica.py
+    ("Durability contract with the I/O shell"), stated there once."""
 
     term: int | None = None
     entries: tuple[Entry, ...] = ()

@@ -27,8 +27,9 @@ tuples come back as lists, `bytes` stay `bytes`, map keys may be ints.
 Treat an appended payload as immutable: the tail cache hands the very object
 back to readers.
 
-Call order for the I/O shell, per batch of `Persist` effects
-(`persist()` does steps 1-4 for one effect):
+What the WAL offers the shell for one batch of `Persist` effects (the
+order and its reasons are the durability contract in worker/replica.py;
+between 1 and 2 the shell installs a snapshot point, `compact_through`):
 
 1. `set_hard_state(term=T)` — written and fsynced at once, because the
    replica must not answer anything at T before T is durable;
@@ -925,17 +926,6 @@ class Wal:
                 # recovery may treat a cut below it as damage (see open()).
                 hint = self._hard.commit if self._dirty else self._commit
                 self._write_hard_state(replace(self._hard, term=term, commit=hint))
-
-    def persist(self, *, term: int | None = None, truncate_after: int | None = None,
-                records: Iterable[tuple[int, int, Any]] = (), commit: int | None = None) -> None:
-        """Carry out one `Persist` effect in the required order (no sync)."""
-        if term is not None:
-            self.set_hard_state(term=term)
-        if truncate_after is not None:
-            self.truncate_after(truncate_after)
-        self.append(records)
-        if commit is not None:
-            self.set_hard_state(commit=commit)
 
     @_guarded
     def truncate_after(self, seq: int) -> None:
