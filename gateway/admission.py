@@ -1,5 +1,5 @@
 """A gateway's admission: it tells meta who it is and what it runs, and
-serves only while meta has not refused it (DESIGN §9).
+serves only while meta has not refused it.
 
 It registers at start and then every ADMISSION_PERIOD_S (meta keeps
 gateways as soft state on its leader, shown by `topoctl status`). An

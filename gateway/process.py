@@ -1,4 +1,4 @@
-"""`shardgrid gateway`: the stateless public entry point (DESIGN §6).
+"""`shardgrid gateway`: the stateless public entry point.
 
 Serves the public API of `gateway/routes.py` on `--http`, keeps its routing
 table by watching meta (`--meta`, any number of nodes: MetaClient fails over

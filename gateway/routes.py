@@ -1,4 +1,4 @@
-"""The gateway's public API (DESIGN §6): validation, handlers, operator verbs.
+"""The gateway's public API: validation, handlers, operator verbs.
 
 Everything a request carries is validated here, before anything is sent to a
 worker: a malformed request gets 400 `bad_request` and changes nothing; a

@@ -4,7 +4,7 @@ Runs only on the meta Raft leader, every ~100 ms (`meta/server.py` executes
 the actions as compare-and-set commands, so a decision made on stale state
 simply fails and is re-made on the next pass). No I/O, no clock, no asyncio.
 
-Failover (DESIGN.md §4): a worker silent for `lease_ms` loses every leadership
+Failover: a worker silent for `lease_ms` loses every leadership
 it holds; the new leader is the live voter with the greatest last (term, seq)
 it reported, preferring the group's preferred leader, then the lowest id, on
 ties. Only the dead worker's groups change term. A newly elected meta leader

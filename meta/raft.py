@@ -1,7 +1,7 @@
 """PySyncObj glue: replicates `MetaStateMachine` across the meta nodes.
 
-PySyncObj is treated as fragile (see LESSONS.md): it is configured with its
-journal and full dump on disk, an encrypted transport (`password`; its wire
+PySyncObj is treated as fragile (releases before 0.3.17 lost terms and
+votes on restart): it is configured with its journal and full dump on disk, an encrypted transport (`password`; its wire
 format is pickle), and a short `leaderFallbackTimeout` so that a partitioned
 leader stops believing it leads within ~2 s instead of 30 s. It runs its own
 thread; results come back to asyncio through `call_soon_threadsafe`.

@@ -38,7 +38,7 @@ add the controller started that has not caught up within
 Only a ready group with a live leader and no operator in progress is
 touched, and only while the other voters keep a majority. TiKV's PD waits 30
 minutes and Elasticsearch 1 minute before replacing a down node; the wait
-(60 s by default) is a setting, and the override exists (LESSONS.md).
+(60 s by default) is a setting, and the override exists (an operator who knows a worker is gone for good need not wait).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any
 from topology.model import Topology
 
 WORKER_STATES = ("active", "available", "draining", "drained", "removed")
-# Who is in the cluster (DESIGN §9), apart from what a worker is doing: a
+# Who is in the cluster (admission), apart from what a worker is doing: a
 # revoked worker keeps its state (an operator may admit it back) but is never
 # placed, named leader or routed to, and its peers refuse its traffic.
 ADMISSIONS = ("admitted", "revoked")

@@ -1,5 +1,5 @@
 """The shared vocabulary of shardgrid: topology model, file loading and
-validation, entity routing, automatic placement and apply plans (DESIGN.md §3).
+validation, entity routing, automatic placement and apply plans.
 """
 from topology.errors import FieldError, TopologyError
 from topology.loader import load_topology

@@ -1,4 +1,4 @@
-"""Topology file text -> validated `Topology` (DESIGN.md §3).
+"""Topology file text -> validated `Topology`.
 
 Parsing is PyYAML's safe loader with one addition: a key repeated in one
 mapping is an error (plain `yaml.safe_load` silently keeps the last one, so

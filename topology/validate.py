@@ -5,10 +5,13 @@ Every problem is collected with the path of its field and raised as one
 invalid field are skipped rather than reported as consequences (a replica is
 not "unknown" just because the `workers` list itself was malformed).
 
-Beyond the brief in DESIGN.md §3, a live cluster (`live=`) also refuses a
-different `cluster` name (the file is probably for another cluster), a
-different `plugin` and a different `settings.embedding_dim`: the data on the
-workers is laid out for those and cannot be converted by an apply.
+Beyond the usual checks (unknown keys, duplicate ids, RF above the workers,
+unknown or misplaced leaders, a changed shard count, colliding ports), a
+live cluster (`live=`) also refuses a different `cluster` name (the file is
+probably for another cluster), a different `plugin` and a different
+`settings.embedding_dim` (the data on the workers is laid out for those and
+cannot be converted by an apply), and changes to a model's shape, seed or
+group ranges.
 """
 from __future__ import annotations
 

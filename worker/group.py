@@ -211,7 +211,7 @@ class DownloadProgress:
 class PassStats:
     """How the group loops of one worker batch their work (shared by its groups).
 
-    `events / passes` is the natural batching of DESIGN.md §5 at the group
+    `events / passes` is the natural batching of the write path at the group
     loop: each pass costs a wake-up, one core call per event, and at most
     one fsync, whatever it carries.
     """

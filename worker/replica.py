@@ -1,4 +1,4 @@
-"""The replication core of one shard group (DESIGN.md §5), sans-I/O.
+"""The replication core of one shard group, sans-I/O.
 
 `Replica.handle(msg_or_event, now) -> list[Effect]` is a pure state machine in
 the style of etcd's `raft`: no sockets, files, clocks, randomness or logging.
@@ -90,7 +90,7 @@ hours (runbook/operations.md, "request ids").
 
 Terms come from meta
 --------------------
-A replica adopts a term only from a MetaView (DESIGN.md §9: never above what
+A replica adopts a term only from a MetaView (the term cap: never above what
 meta has published for the group).  Its term is therefore at least the
 highest term any view showed it, and a message from a higher term is one
 meta has not shown it yet: it is not acted on (no term persisted, no
@@ -646,7 +646,7 @@ class Replica:
     def _drop_after(self, seq: int) -> None:
         """Drop the suffix after `seq`.  A committed entry is never dropped:
         asked to, we have a bug (or a corrupted peer), and stopping beats
-        diverging (LESSONS: Vitess refuses to paper over split histories)."""
+        diverging (papering over split histories loses writes silently)."""
         if seq < self._commit:
             raise AssertionError(
                 f"{self._id}: asked to truncate after {seq} but {self._commit} is committed"

@@ -430,7 +430,7 @@ class TransferReady:
 class NeedMetaView:
     """A peer spoke at `term`, above every term meta has shown this replica:
     fetch the group's assignment from meta now and deliver it as a MetaView.
-    The core adopts terms only from meta's views (DESIGN.md §9), so until the
+    The core adopts terms only from meta's views (the term cap: no term meta has not published), so until the
     view comes the message is not acted on.  The core asks at most once per
     `retry_ms` for a term it already asked about; the shell should also keep
     at most one fetch in flight."""

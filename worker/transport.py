@@ -5,7 +5,7 @@ so a sender never blocks the group loop: `send` enqueues, and the peer's
 task writes everything queued as binary frames (`shardgrid.wire.pack_frames`:
 encoded messages back to back, about 1 MiB at most per frame) on a
 persistent WebSocket to the peer's `/v1/raft/stream`. Under
-load that is the natural batching of DESIGN.md §5: while one frame is being
+load that is the natural batching of the write path: while one frame is being
 written, the next gathers. A frame is one socket write with no reply, where
 an HTTP POST per batch cost four socket operations and aiohttp's client
 machinery; on this 2-core machine that was most of a worker's CPU.

@@ -1,4 +1,4 @@
-"""Segmented, checksummed write-ahead log of one shard-group replica (DESIGN §5, §8).
+"""Segmented, checksummed write-ahead log of one shard-group replica.
 
 One `Wal` owns one replica directory and persists the replica's Raft-like state:
 

@@ -1,7 +1,7 @@
 """Deterministic simulation of one shard group around worker/replica.py.
 
 `run_seed(seed)` drives 3-5 replicas, a model of meta and clients with one
-`random.Random(seed)`, and checks DESIGN.md §5's invariants after every
+`random.Random(seed)`, and checks the replication invariants after every
 handle() call; it raises `SimViolation` at the first breach.
 
 What is modelled
@@ -51,7 +51,7 @@ Invariants (checked incrementally)
 * at most one replica acts as leader (ready or not) per term;
 * a replica's term never decreases, including across restarts: the durable
   term is >= every term the previous incarnation sent a message with;
-* no replica holds or persists a term above meta's (DESIGN.md §9);
+* no replica holds or persists a term above meta's (the term cap);
 * log matching: per replica, a rolling hash of its log prefix; an entry with
   the same (term, seq) on two replicas must have the same prefix hash;
 * the committed log `C` is what replicas have applied (Apply effects that
@@ -758,7 +758,7 @@ class Sim:
         if r.term < node.term_seen:
             self.fail(f"{node.name} term went back {node.term_seen} -> {r.term}")
         if r.term > self.m_term:
-            self.fail(f"{node.name} is at term {r.term}, above meta's {self.m_term} (DESIGN.md §9)")
+            self.fail(f"{node.name} is at term {r.term}, above meta's {self.m_term} (the term cap)")
         node.term_seen = r.term
         if leads(r):
             who = self.leader_of.setdefault(r.term, node.name)
@@ -1277,7 +1277,7 @@ class Sim:
 
     def forge(self) -> None:
         """A message from a term meta has not published: a forger's, or a
-        peer's bug. No replica may adopt the term (DESIGN.md §9); the group
+        peer's bug. No replica may adopt the term (the term cap); the group
         carries on. The sender may be a member or an outsider; the content
         is harmless should meta later publish the term with that sender as
         leader (then it is no forgery: what it asks is what that leader would)."""

@@ -1,4 +1,4 @@
-"""The term cap (DESIGN.md §9): a replica adopts no term meta has not published.
+"""The term cap: a replica adopts no term meta has not published.
 
 A message from a term above what meta's views have shown a replica is not
 acted on: nothing is persisted, a leader does not step down, and the core

@@ -1,6 +1,6 @@
 """Admission over real processes: an outsider without the secret changes nothing
 under load, a worker with the wrong secret is refused, and revoking a worker
-moves its leaderships and replicas away with nothing lost (DESIGN §9)."""
+moves its leaderships and replicas away with nothing lost."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Pluggable shard-group state machines (DESIGN §7); the contract is in base.py."""
+"""Pluggable shard-group state machines; the contract is in base.py."""
 from worker.plugins.base import (
     ApplyContext,
     BadOp,

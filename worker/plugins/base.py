@@ -1,6 +1,6 @@
 """The contract between a shard group's replication machinery and its state machine.
 
-A *plugin* is the deterministic state machine of one shard group (DESIGN §7).
+A *plugin* is the deterministic state machine of one shard group.
 The replication layer (worker/replica.py, worker/group.py) owns the log, the
 terms, the network and the disk; the plugin owns the meaning of an op. The
 replication code only ever talks to the `Plugin` protocol below, so a second

@@ -1,4 +1,4 @@
-"""`entities`: the default shard-group state machine (DESIGN §7).
+"""`entities`: the default shard-group state machine.
 
 Three kinds of state, all keyed by a string id (the gateway routes by it):
 

@@ -1,4 +1,4 @@
-"""`layers`: a shard group that holds a range of a model's layers (DESIGN §7).
+"""`layers`: a shard group that holds a range of a model's layers.
 
 The group's state is one version of the weights of layers first..last (its
 `PluginSettings.layer_range`) of the model described by
