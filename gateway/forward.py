@@ -21,7 +21,7 @@ queue and leave together as ONE `write_batch` when it returns (no timers: an
 idle gateway adds no latency; a busy one turns N round trips into one). The
 leader makes one log entry of each call's fresh writes, so the parts of many
 concurrent `/batch` requests cost one call, one entry and one reply instead
-of one each (runbook/benchmarking.md, set 13). Lanes are per (group, leader
+of one each (runbook/benchmarking.md has the figures). Lanes are per (group, leader
 address), so a hung old leader never holds up writes for the new one.
 """
 from __future__ import annotations
@@ -55,9 +55,8 @@ MAX_CALL_RECORDS = 4096
 MAX_CALL_BYTES = 16 << 20
 # Coalesced calls in flight per (group, leader). One: what arrives meanwhile
 # leaves together in the next call, so the leader runs fewer, larger rounds
-# (each round is an fsync on every replica and a dozen process wake-ups).
-# Against 2, interleaved benchmark runs gave 12-20 % less cluster CPU per
-# write at 16 and 64 clients and more writes/s (runbook/benchmarking.md).
+# (each round is an fsync on every replica and a dozen process wake-ups);
+# measured against 2 in runbook/benchmarking.md, "Measurements behind constants".
 LANE_DEPTH = 1
 REFRESH_MIN_INTERVAL_S = 0.05  # at most ~20 direct GET /v1/cluster per second, however many nudges
 REFRESH_DEADLINE_S = 1.0

@@ -5,10 +5,11 @@ data), so it must never change. Test vectors:
 "" -> 0xcbf29ce484222325, "a" -> 0xaf63dc4c8601ec8c, "foobar" -> 0x85944171f73967e8.
 
 `fnv1a64_reference` is the contract written out in Python. The gateway
-hashes every write of every `/batch`, and in Python that was 1.1 µs of a
-record's ~8 µs of gateway CPU (runbook/benchmarking.md), so `fnv1a64` and
-`shard_function` call the C implementation of `fnv-c` (0.2 µs); a test
-holds the two to the same answers over arbitrary strings.
+hashes every write of every `/batch`, where the Python loop was a visible
+share of a record's gateway CPU (runbook/benchmarking.md, "Measurements
+behind constants"), so `fnv1a64` and `shard_function` call the C
+implementation of `fnv-c`; a test holds the two to the same answers over
+arbitrary strings.
 """
 from __future__ import annotations
 

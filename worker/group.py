@@ -791,7 +791,7 @@ class GroupShell:
         # thread would hold up the passes queued behind it). Given the core's
         # meta, that thread also writes the archive (the copy and fsyncs of
         # the whole state): installed from the group's pass, it held the
-        # group for 45-145 ms (3x3 cluster, 100k items of 100 bytes). One
+        # group for a hundred milliseconds at 100k items. One
         # capture at a time: each holds a copy of the state, and a point asked
         # for while one is being written is skipped (the next comes
         # snapshot_every later).

@@ -150,11 +150,9 @@ _LOCK = "LOCK"
 _READ_CHUNK = 4 * 1024 * 1024
 _MAX_RECORD = 0xFFFFFFFF  # the u32 length field
 # The active segment is allocated ahead of its writes, this much at a time,
-# so that an append changes no file size and `fdatasync` suffices. Three
-# processes syncing nine files reached about 10,400 syncs/s (p99 0.6 ms)
-# this way against 6,400 (p99 2.4 ms) with appends and fsync, and 56 against
-# 88 µs of system CPU per sync (scratch measurements on this machine; an
-# hour later the rates were 10,100 against 9,500: the disk varies).
+# so that an append changes no file size and `fdatasync` suffices (a sync
+# that need not update the file's size is cheaper; the measurements are in
+# runbook/benchmarking.md, "Measurements behind constants").
 PREALLOC_BYTES = 4 * 1024 * 1024
 
 
