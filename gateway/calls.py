@@ -6,7 +6,7 @@ the same loop iteration leave together (`shardgrid.common.wire.pack_frames`), an
 finish, and any number may be in flight: a busy gateway pays one socket
 write per batch of calls instead of an HTTP request and response per call.
 
-Failures map onto the attempt semantics of `forward.py`: a stream that
+Failures map onto the attempt semantics of `reply.py` (AttemptFailed): a stream that
 cannot be opened is `refused` (nothing was sent), a call with no answer in
 time is `timeout`, and a stream that breaks with calls in flight makes them
 `broken` (the worker may have applied them). Ping/pong every `HEARTBEAT_S`
