@@ -1,2 +1,3 @@
-"""The stateless gateway: routing cache (router.py), forwarding (forward.py),
-public API (routes.py), process main (process.py)."""
+"""The stateless gateway: routing cache (router.py), forwarding (forward.py), call
+streams to workers (calls.py) and the replies they share (reply.py), public API
+(routes.py), process main (process.py)."""

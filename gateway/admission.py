@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.identity import SoftwareIdentity
-from shardgrid.wire import ApiError
+from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.wire import ApiError
 
 ADMISSION_PERIOD_S = 10.0
 REFUSALS = ("unknown_credentials", "version_mismatch", "revoked")

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 
 
 @dataclass(slots=True)

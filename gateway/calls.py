@@ -2,11 +2,11 @@
 
 A call is `[id, op, gid, body]` (op: write, write_batch, read); the answer
 `[id, status, body]` has the body of the matching HTTP route. Calls made in
-the same loop iteration leave together (`shardgrid.wire.pack_frames`), answers come back as they
+the same loop iteration leave together (`shardgrid.common.wire.pack_frames`), answers come back as they
 finish, and any number may be in flight: a busy gateway pays one socket
 write per batch of calls instead of an HTTP request and response per call.
 
-Failures map onto the attempt semantics of `forward.py`: a stream that
+Failures map onto the attempt semantics of `reply.py` (AttemptFailed): a stream that
 cannot be opened is `refused` (nothing was sent), a call with no answer in
 time is `timeout`, and a stream that breaks with calls in flight makes them
 `broken` (the worker may have applied them). Ping/pong every `HEARTBEAT_S`
@@ -22,10 +22,10 @@ import aiohttp
 
 import structlog
 
-from shardgrid.wire import ItemTooLarge, error_body, pack_frames, unpack_frame
+from gateway.reply import AttemptFailed, WorkerReply, reply_from
+from shardgrid.common.wire import ItemTooLarge, error_body, pack_frames, unpack_frame
 
 if TYPE_CHECKING:
-    from gateway.forward import WorkerReply
     from gateway.router import Target
 
 CALLS_PATH = "/v1/calls"
@@ -210,8 +210,6 @@ class WorkerCalls:
 
     async def call(self, target: "Target", op: str, gid: int, body: dict[str, Any],
                    timeout_s: float) -> "WorkerReply":
-        from gateway.forward import AttemptFailed, reply_from
-
         link = self._links.get(target.base)
         if link is None:
             link = self._links[target.base] = _Link(target.base, self.session, self.log)

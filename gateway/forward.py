@@ -37,13 +37,15 @@ from multidict import CIMultiDictProxy
 from prometheus_client import Counter, Gauge
 
 from gateway.calls import WorkerCalls
+# WorkerReply, AttemptFailed and reply_from are re-exported: routes, models and the tests take them from here.
+from gateway.reply import AttemptFailed, WorkerReply, int_or_none, item_reply, reply_from  # noqa: F401
 from gateway.router import (MIN_ATTEMPT_S, NO_QUORUM, WORKER_MARGIN_S, AttemptBudget, Hint, Next, RetryState,
                             RoutingTable, Target, accept_hint, after_reply, attempt_budget, backoff_s, give_up,
                             prune_hints)
 from meta.client import MetaClient, MetaUnreachable
-from shardgrid.httpmetrics import HttpMetrics
-from shardgrid.tls import scheme
-from shardgrid.wire import STATUS_FOR_CODE, ApiError, error_body, packb, unpackb
+from shardgrid.common.httpmetrics import HttpMetrics
+from shardgrid.common.tls import scheme
+from shardgrid.common.wire import ApiError, error_body, packb, unpackb
 
 MSGPACK = "application/msgpack"
 _MSGPACK_HEADERS = {"Content-Type": MSGPACK}
@@ -60,8 +62,7 @@ MAX_CALL_BYTES = 16 << 20
 LANE_DEPTH = 1
 REFRESH_MIN_INTERVAL_S = 0.05  # at most ~20 direct GET /v1/cluster per second, however many nudges
 REFRESH_DEADLINE_S = 1.0
-_CODE_FOR_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "payload_too_large",
-                    501: "not_implemented", 503: "unavailable", 504: "deadline_exceeded"}
+
 
 
 class GatewayMetrics:
@@ -101,43 +102,6 @@ class Trace:
     outcome: str | None = None
 
 
-# -- worker replies ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class WorkerReply:
-    status: int
-    code: str | None  # None = success
-    body: Any  # success: {"seq", "term", "result"}; failure: the error body
-    served_by: str | None
-    shard: int | None
-    term: int | None
-    seq: int | None
-
-    @property
-    def ok(self) -> bool:
-        return self.code is None
-
-    @property
-    def result(self) -> Any:
-        return self.body.get("result") if isinstance(self.body, dict) else None
-
-    @property
-    def error(self) -> dict[str, Any]:
-        err = self.body.get("error") if isinstance(self.body, dict) else None
-        return err if isinstance(err, dict) else {}
-
-
-class AttemptFailed(Exception):
-    """An attempt got no answer. kind: refused (nothing sent) | timeout | broken."""
-
-    def __init__(self, kind: str, sent: bool, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.sent = sent
-        self.detail = detail
-
-
 class LeaderMoved(Exception):
     """Meta named another leader while an attempt was in flight; it was abandoned."""
 
@@ -154,17 +118,6 @@ class Attempt:
     moved: bool = False
 
 
-def _int(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            return None
-    return None
-
-
 def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], content_type: str, raw: bytes,
                 target: Target, gid: int | None) -> WorkerReply:
     """Decode a worker's HTTP answer (msgpack or, for errors raised before the body was read, JSON)."""
@@ -179,38 +132,6 @@ def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], co
     except (ValueError, orjson.JSONDecodeError):
         body = raw[:200].decode("utf-8", "replace")
     return reply_from(status, headers, body, target, gid)
-
-
-def reply_from(status: int, headers: CIMultiDictProxy[str] | dict[str, str], body: Any, target: Target,
-               gid: int | None) -> WorkerReply:
-    """A worker's decoded answer (from HTTP or the call stream) as a WorkerReply."""
-    served_by = headers.get("x-served-by") or target.wid
-    term = _int(headers.get("x-term"))
-    seq = _int(headers.get("x-seq"))
-    if 200 <= status < 300 and isinstance(body, dict):
-        return WorkerReply(status, None, body, served_by, gid, term if term is not None else _int(body.get("term")),
-                           seq if seq is not None else _int(body.get("seq")))
-    err = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(err, dict) or not isinstance(err.get("code"), str):
-        code = _CODE_FOR_STATUS.get(status, "internal")
-        body = error_body(code, f"worker {target.wid} answered {status}: {str(body)[:200]}", shard=gid)
-        err = body["error"]
-    if status < 400:
-        status = STATUS_FOR_CODE.get(err["code"], 500)
-    return WorkerReply(status, err["code"], body, served_by, gid,
-                       term if term is not None else _int(err.get("term")), seq)
-
-
-def item_reply(item: Any, target: Target, gid: int) -> WorkerReply:
-    """One entry of a write_batch answer, as if it had been a single write."""
-    if isinstance(item, dict) and "error" in item:
-        err = item["error"] if isinstance(item["error"], dict) else {}
-        code = str(err.get("code", "internal"))
-        return WorkerReply(STATUS_FOR_CODE.get(code, 500), code, item, target.wid, gid, _int(err.get("term")), None)
-    if isinstance(item, dict):
-        return WorkerReply(200, None, item, target.wid, gid, _int(item.get("term")), _int(item.get("seq")))
-    return WorkerReply(500, "internal", error_body("internal", f"worker {target.wid} sent a malformed batch result",
-                                                   shard=gid), target.wid, gid, None, None)
 
 
 # -- the routing cache ------------------------------------------------------------------------------
@@ -695,9 +616,9 @@ class Forwarder:
                     # item_reply's success case without a WorkerReply: this runs for every write of a batch.
                     seq, term, result = raw.get("seq"), raw.get("term"), raw.get("result")
                     if type(seq) is not int:
-                        seq = _int(seq)
+                        seq = int_or_none(seq)
                     if type(term) is not int:
-                        term = _int(term)
+                        term = int_or_none(term)
                 else:
                     r = item_reply(raw, target, gid)
                     if not r.ok:

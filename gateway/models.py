@@ -50,7 +50,7 @@ from gateway.layer_route import (
 )
 from gateway.router import MIN_ATTEMPT_S, RESPONSE_MARGIN_S, WORKER_MARGIN_S, ModelRoute, RoutingTable, Target
 from meta.client import MetaUnreachable
-from shardgrid.wire import ApiError, error_body, json_response, short_repr
+from shardgrid.common.wire import ApiError, error_body, json_response, short_repr
 from topology.model import MAX_INFER_ROWS, WEIGHTS_FORMAT
 
 MAX_WEIGHTS_BYTES = 256 << 20

@@ -15,9 +15,9 @@ import uvloop
 from aiohttp import web
 
 from gateway.routes import Gateway, GatewayConfig
-from shardgrid.gctune import GATEWAY_YOUNG, start_gc_policy
-from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner, cap_connections
+from shardgrid.common.gctune import GATEWAY_YOUNG, start_gc_policy
+from shardgrid.common.log import setup_logging
+from shardgrid.common.serving import app_runner, cap_connections
 
 __all__ = ["GatewayConfig", "main", "serve"]
 

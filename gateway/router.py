@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from gateway.layer_route import RangeGroup
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 from topology.routing import shard_for
 
 # -- deadline arithmetic ---------------------------------------------------------------

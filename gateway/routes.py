@@ -62,15 +62,15 @@ from gateway.models import MAX_WEIGHTS_BYTES, ModelApi
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
-from shardgrid.auth import bearer_token, check_bearer
-from shardgrid.identity import SoftwareIdentity
-from shardgrid.peerauth import ClusterKeys, Principal
-from shardgrid.peerauth_http import PeerSigner
-from shardgrid.ids import id_problem
-from shardgrid.httpmetrics import route_of
-from shardgrid.serving import body_deadline
-from shardgrid.tls import NO_TLS, Tls, connector_ssl
-from shardgrid.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
+from shardgrid.common.auth import bearer_token, check_bearer
+from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.peerauth import ClusterKeys, Principal
+from shardgrid.common.peerauth_http import PeerSigner
+from shardgrid.common.ids import id_problem
+from shardgrid.common.httpmetrics import route_of
+from shardgrid.common.serving import body_deadline
+from shardgrid.common.tls import NO_TLS, Tls, connector_ssl
+from shardgrid.common.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
 
 MAX_ID_BYTES = 256

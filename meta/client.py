@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 import orjson
 
-from shardgrid.tls import TlsConfigError, base_url, connector_ssl
+from shardgrid.common.tls import TlsConfigError, base_url, connector_ssl
 
 
 class MetaError(Exception):
@@ -60,7 +60,7 @@ class MetaClient:
         self._preferred = 0
         self.deadline_s = deadline_s
         self.local_addr = local_addr
-        # The request signer of a cluster member (shardgrid/peerauth_http.py), used when this client owns its session.
+        # The request signer of a cluster member (shardgrid/common/peerauth_http.py), used when this client owns its session.
         self.middlewares = middlewares
 
     async def __aenter__(self) -> "MetaClient":

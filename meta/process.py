@@ -11,11 +11,11 @@ from aiohttp import web
 
 from meta.raft import MetaRaft, RaftPeer
 from meta.server import MetaServer, MetaServerConfig
-from shardgrid.peerauth import ClusterKeys
-from shardgrid.gctune import start_gc_policy
-from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner, cap_connections
-from shardgrid.tls import NO_TLS, Tls
+from shardgrid.common.peerauth import ClusterKeys
+from shardgrid.common.gctune import start_gc_policy
+from shardgrid.common.log import setup_logging
+from shardgrid.common.serving import app_runner, cap_connections
+from shardgrid.common.tls import NO_TLS, Tls
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ MiB steps would not do: 64 of them a second at the default rate.
 """
 from __future__ import annotations
 
-from shardgrid.units import format_bytes
+from shardgrid.common.units import format_bytes
 
 STEPS = 20  # 5% of the snapshot
 

@@ -32,15 +32,15 @@ from meta.reconcile import reconcile
 from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, StartOperator, expired_assignments,
                          repair)
 from meta.state import GroupRecord, MetaStateMachine, revoked
-from shardgrid.auth import bearer_ok, check_bearer
-from shardgrid.httpmetrics import HttpMetrics
-from shardgrid.identity import SoftwareIdentity
-from shardgrid.peerauth import ClusterKeys, Principal, SessionTable
-from shardgrid.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
-from shardgrid.tls import connector_ssl, scheme
-from shardgrid.serving import body_deadline
-from shardgrid.units import MAX_BYTES
-from shardgrid.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response, short_repr
+from shardgrid.common.auth import bearer_ok, check_bearer
+from shardgrid.common.httpmetrics import HttpMetrics
+from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.peerauth import ClusterKeys, Principal, SessionTable
+from shardgrid.common.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
+from shardgrid.common.tls import connector_ssl, scheme
+from shardgrid.common.serving import body_deadline
+from shardgrid.common.units import MAX_BYTES
+from shardgrid.common.wire import LOGGER_KEY, REFUSAL_REASONS, ApiError, error_middleware, json_response, short_repr
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import GroupSpec, Topology, replication_factors
@@ -72,7 +72,7 @@ def _now_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
-# Routes only cluster members may call, and which (shardgrid/peerauth_http.py);
+# Routes only cluster members may call, and which (shardgrid/common/peerauth_http.py);
 # the others are reads anyone may make or operator verbs behind the admin token.
 PEER_POLICY = {
     "/v1/workers/register": frozenset({"worker"}),

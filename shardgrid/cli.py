@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 import sys
 from pathlib import Path
 
-from shardgrid.auth import SecretFileError, read_secret
-from shardgrid.tls import TlsConfigError, add_tls_arguments, tls_from_args
+from shardgrid.common.auth import SecretFileError, read_secret
+from shardgrid.common.tls import TlsConfigError, add_tls_arguments, tls_from_args
 
 if TYPE_CHECKING:
-    from shardgrid.peerauth import ClusterKeys
+    from shardgrid.common.peerauth import ClusterKeys
 
 _SECRET_HELP = "cluster secret, the meta nodes' file (else env SHARDGRID_SECRET); one secret per line during a rotation"
 
@@ -22,7 +22,7 @@ MIN_SECRET_CHARS = 16
 
 def _cluster_keys(args: argparse.Namespace, who: str) -> "ClusterKeys | None":
     """The cluster secret a member proves itself with; None (and a message) when there is none."""
-    from shardgrid.peerauth import ClusterKeys
+    from shardgrid.common.peerauth import ClusterKeys
 
     text = read_secret(args.secret_file, "SHARDGRID_SECRET")
     if text is None:
@@ -80,7 +80,7 @@ def _cmd_meta(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from shardgrid.units import parse_bytes
+    from shardgrid.common.units import parse_bytes
     from worker.process import WorkerConfig, main as worker_main
 
     try:
@@ -92,7 +92,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     keys = _cluster_keys(args, "worker")
     if keys is None:
         return 2
-    from shardgrid.identity import current
+    from shardgrid.common.identity import current
 
     cfg = WorkerConfig(id=args.id, listen=args.http, advertise=args.advertise or args.http,
                        meta=[a.strip() for a in args.meta.split(",") if a.strip()], data=Path(args.data),
@@ -114,8 +114,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         return 2
     import socket
 
-    from shardgrid.identity import current
-    from shardgrid.peerauth import PeerAuthError, parse_principal
+    from shardgrid.common.identity import current
+    from shardgrid.common.peerauth import PeerAuthError, parse_principal
 
     # Not the listen address: `0.0.0.0:8080` on two hosts would be one name.
     gateway_id = args.id or f"{socket.gethostname()}-{args.http.rpartition(':')[2]}"
@@ -150,7 +150,7 @@ def _cmd_dev(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from shardgrid.bench import main_from_args
+    from shardgrid.bench.run import main_from_args
 
     return main_from_args(args, sys.argv[2:] if sys.argv[1:2] == ["bench"] else None)
 
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo = sub.add_parser("model", help="layer-sharded models: compute one in this process (`model run`)")
     add_model_arguments(mo)
 
-    from shardgrid.bench import add_bench_arguments
+    from shardgrid.bench.run import add_bench_arguments
 
     b = sub.add_parser("bench", help="load generator and benchmark (closed/open loop; local cluster or etcd)",
                        description="Drive a shardgrid cluster (or etcd, for comparison) and report ops/s, errors, "

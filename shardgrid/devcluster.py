@@ -42,10 +42,10 @@ from typing import Any, Callable
 import aiohttp
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.auth import read_secret, write_secret
+from shardgrid.common.auth import read_secret, write_secret
 from shardgrid.devcontrol import DevActions, DevControl, DevControlError, exit_text
 from shardgrid.procs import Child, stop_all
-from shardgrid.tls import DevPki, base_url, client_context, connector_ssl, dev_pki
+from shardgrid.common.tls import DevPki, base_url, client_context, connector_ssl, dev_pki
 from topology.loader import load_topology
 from topology.model import Topology
 

@@ -197,7 +197,7 @@ def run_client(data: Path, action: str, name: str | None, sig: str, ram: str | N
     """`shardgrid dev ps|kill|start|add-worker`: print the answer; 0, or 1 when refused."""
     req: dict[str, Any] = {"op": action}
     if action == "add-worker":
-        from shardgrid.units import parse_bytes
+        from shardgrid.common.units import parse_bytes
         try:
             req.update({k: v for k, v in (("available_ram", ram), ("available_disk", disk)) if v and parse_bytes(v)})
         except ValueError as exc:

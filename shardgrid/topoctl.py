@@ -27,10 +27,10 @@ from typing import Any
 import orjson
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.auth import SecretFileError, read_secret
+from shardgrid.common.auth import SecretFileError, read_secret
 from shardgrid.drift import drift, render_apply_drift, render_drift
-from shardgrid.tls import CA_ENV, TlsConfigError, client_context
-from shardgrid.units import format_bytes
+from shardgrid.common.tls import CA_ENV, TlsConfigError, client_context
+from shardgrid.common.units import format_bytes
 from topology.errors import TopologyError
 from topology.loader import load_topology
 from topology.model import model_groups

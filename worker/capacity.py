@@ -34,7 +34,7 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Refusal:
-    reason: str  # one of shardgrid.wire.REFUSAL_REASONS
+    reason: str  # one of shardgrid.common.wire.REFUSAL_REASONS
     message: str
 
 

@@ -58,7 +58,7 @@ import aiohttp
 import orjson
 import xxhash
 
-from shardgrid.wire import PACK_ERRORS, packb
+from shardgrid.common.wire import PACK_ERRORS, packb
 from worker import replica_msgs as m
 from worker.codec import decode_entry, encode_entry
 from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError

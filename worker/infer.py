@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 from worker.group import now_ms
 from worker.infer_batch import PassCost, Waiting, plan_batch
 from worker.plugins.base import import_torch

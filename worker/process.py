@@ -27,14 +27,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
-from shardgrid.gctune import start_gc_policy
-from shardgrid.httpmetrics import HttpMetrics
-from shardgrid.identity import SoftwareIdentity
-from shardgrid.peerauth import ClusterKeys, Principal
-from shardgrid.peerauth_http import PeerSigner
-from shardgrid.log import setup_logging
-from shardgrid.serving import app_runner, cap_connections
-from shardgrid.tls import NO_TLS, Tls
+from shardgrid.common.gctune import start_gc_policy
+from shardgrid.common.httpmetrics import HttpMetrics
+from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.peerauth import ClusterKeys, Principal
+from shardgrid.common.peerauth_http import PeerSigner
+from shardgrid.common.log import setup_logging
+from shardgrid.common.serving import app_runner, cap_connections
+from shardgrid.common.tls import NO_TLS, Tls
 from topology.model import Settings, model_groups
 from worker.infer import DEFAULT_MAX_ROWS, DEFAULT_MAX_WAIT_MS, InferenceService, infer_warm
 from worker import replica_msgs as m

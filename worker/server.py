@@ -3,7 +3,7 @@
 Bodies are msgpack when the request says `Content-Type: application/msgpack`
 (gateways and peers) and JSON otherwise (operators, curl); answers use the
 same encoding as the request. Errors use the one error shape of
-`shardgrid.wire` with the group's term and leader as context.
+`shardgrid.common.wire` with the group's term and leader as context.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from shardgrid.peerauth import Principal, SessionTable
-from shardgrid.peerauth_http import ANY_ROLE, PeerGuard, peer_of
-from shardgrid.peerauth_http import refusal as auth_refusal
-from shardgrid.serving import body_deadline
-from shardgrid.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, error_body, error_middleware, \
+from shardgrid.common.peerauth import Principal, SessionTable
+from shardgrid.common.peerauth_http import ANY_ROLE, PeerGuard, peer_of
+from shardgrid.common.peerauth_http import refusal as auth_refusal
+from shardgrid.common.serving import body_deadline
+from shardgrid.common.wire import LOGGER_KEY, STATUS_FOR_CODE, ApiError, ItemTooLarge, error_body, error_middleware, \
     json_response, pack_frames, packb, short_repr, unpack_frame, unpack_frame_sized, unpackb
 from worker import replica_msgs as m
 from worker.capacity import refusal
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from worker.process import WorkerNode
 
 MSGPACK = "application/msgpack"
-# Who may call what (shardgrid/peerauth_http.py); /healthz, /metrics and
+# Who may call what (shardgrid/common/peerauth_http.py); /healthz, /metrics and
 # /v1/status stay open for probes and operators.
 _WORKERS, _META = frozenset({"worker"}), frozenset({"meta"})
 MAX_BODY = 64 << 20  # a request body, and a message on a peer or call stream (max_msg_size)

@@ -25,7 +25,7 @@ from typing import BinaryIO, Protocol
 
 import xxhash
 
-from shardgrid.wire import packb, unpackb
+from shardgrid.common.wire import packb, unpackb
 from worker.codec import decode_snapshot_meta, encode_snapshot_meta
 from worker.replica_msgs import SnapshotMeta
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MB = 1_000_000  # decimal, as shardgrid/units.py reads and prints sizes
+MB = 1_000_000  # decimal, as shardgrid/common/units.py reads and prints sizes
 # The `reason` of the 503 answer to a download beyond the limit: the downloader waits for a turn.
 SNAPSHOT_BUSY = "snapshot_busy"
 

@@ -2,7 +2,7 @@
 
 Messages need no answer (the replication core retransmits what gets lost),
 so a sender never blocks the group loop: `send` enqueues, and the peer's
-task writes everything queued as binary frames (`shardgrid.wire.pack_frames`:
+task writes everything queued as binary frames (`shardgrid.common.wire.pack_frames`:
 encoded messages back to back, about 1 MiB at most per frame) on a
 persistent WebSocket to the peer's `/v1/raft/stream`. Under
 load that is the natural batching of the write path: while one frame is being
@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 import aiohttp
 
-from shardgrid.tls import connector_ssl, scheme
-from shardgrid.wire import pack_frames
+from shardgrid.common.tls import connector_ssl, scheme
+from shardgrid.common.wire import pack_frames
 from worker.codec import encode_message
 from worker.replica_msgs import Message
 
@@ -158,7 +158,7 @@ class Transport:
     def __init__(self, resolve: Callable[[str], str | None], log: Any, local_addr: str | None = None,
                  tls: ssl.SSLContext | None = None, middlewares: tuple[Any, ...] = ()) -> None:
         self._resolve = resolve
-        # The request signer (shardgrid/peerauth_http.py): every session to a peer carries it.
+        # The request signer (shardgrid/common/peerauth_http.py): every session to a peer carries it.
         self.middlewares = middlewares
         self.local_addr = local_addr
         # Peers' streams and snapshot downloads: https/wss verified against its CA when set.

@@ -25,11 +25,11 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from shardgrid.auth import write_secret
-from shardgrid.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClusterKeys, open_client_session,
+from shardgrid.common.auth import write_secret
+from shardgrid.common.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClusterKeys, open_client_session,
                                 parse_principal, parse_welcome, make_hello)
-from shardgrid.peerauth import ClientSession as PeerClientSession
-from shardgrid.peerauth_http import WELCOME_HEADER
+from shardgrid.common.peerauth import ClientSession as PeerClientSession
+from shardgrid.common.peerauth_http import WELCOME_HEADER
 from shardgrid.procs import Child, stop_all
 
 
@@ -81,7 +81,7 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 2.0,
 
 
 class MemberHttp:
-    """Blocking calls signed as a cluster member (shardgrid/peerauth.py): what tests
+    """Blocking calls signed as a cluster member (shardgrid/common/peerauth.py): what tests
     need to call worker routes directly, from any thread."""
 
     def __init__(self, secret_path: Path, me: str = "gateway:tests") -> None:

@@ -18,7 +18,7 @@ import orjson
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from shardgrid.wire import STATUS_FOR_CODE
+from shardgrid.common.wire import STATUS_FOR_CODE
 
 # Nesting that orjson reads (up to 1024) but cannot write back (255 and up),
 # and nesting orjson refuses to read at all.
@@ -110,7 +110,7 @@ def brief(value: Any, limit: int = 300) -> str:
 
 def assert_error_answer(status: int, headers: dict[str, str], body: bytes, what: Any,
                         low: int = 400, high: int = 499) -> dict[str, Any]:
-    """The answer is a `low`..`high` with the one error body (shardgrid/wire.py); its `error` object."""
+    """The answer is a `low`..`high` with the one error body (shardgrid/common/wire.py); its `error` object."""
     what = brief(what)
     assert low <= status <= high, (what, status, body[:300])
     assert b"Traceback" not in body, (what, body[:300])

@@ -1,4 +1,4 @@
-"""shardgrid/auth.py: bearer parsing and secret files."""
+"""shardgrid/common/auth.py: bearer parsing and secret files."""
 from __future__ import annotations
 
 import os
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from shardgrid.auth import SecretFileError, bearer_ok, bearer_token, check_bearer, read_secret, write_secret
+from shardgrid.common.auth import SecretFileError, bearer_ok, bearer_token, check_bearer, read_secret, write_secret
 from shardgrid.cli import main as cli_main
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 
 MALFORMED = ["", "Bearer", "Bearer ", "Basic dG9r", "tok", "Bearer  tok", " Bearer tok", "Bearer tok ",
              "Bearer \udcff\udcfe", "Bearer t\udcffok", "Token tok"]

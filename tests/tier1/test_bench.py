@@ -14,15 +14,15 @@ import orjson
 import pytest
 from aiohttp import web
 
-from shardgrid.bench import (BenchOptions, BenchUsageError, ClusterEnv, Collector, RunOutput, build_result,
+from shardgrid.bench.run import (BenchOptions, BenchUsageError, ClusterEnv, Collector, RunOutput, build_result,
                              format_report, local_settings, options_from_args, run_bench)
-from shardgrid.bench_cpu import (CpuAccount, ProcReader, parse_stat, pids_from_dir, pids_from_list,
+from shardgrid.bench.cpu import (CpuAccount, ProcReader, parse_stat, pids_from_dir, pids_from_list,
                                  pids_from_pattern, role_of)
-from shardgrid.bench_load import (MISS1, OK1, Engine, EtcdTarget, LoadConfig, MixError, ShardgridTarget,
+from shardgrid.bench.load import (MISS1, OK1, Engine, EtcdTarget, LoadConfig, MixError, ShardgridTarget,
                                   check_mix_for_target, classify_batch, intended_offset_ns, mix_table, parse_mix,
                                   proc_request_index, scheduled_count)
-from shardgrid.bench_rounds import WorkerCounters, format_rounds, parse_counters, rounds_report
-from shardgrid.bench_stats import KindStats, latency_summary, merge_ticks, new_histogram, overall
+from shardgrid.bench.rounds import WorkerCounters, format_rounds, parse_counters, rounds_report
+from shardgrid.bench.stats import KindStats, latency_summary, merge_ticks, new_histogram, overall
 from shardgrid.cli import build_parser
 
 # -- the mix ---------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ async def test_open_loop_still_sends_what_fell_due_before_the_end_after_a_stall(
     # is a 0.2 s jump of the generator's clock (as the loop would see after one).
     import types
 
-    import shardgrid.bench_load as bench_load
+    import shardgrid.bench.load as bench_load
 
     skew = 0
 
@@ -195,7 +195,7 @@ async def test_open_loop_still_sends_what_fell_due_before_the_end_after_a_stall(
 async def test_open_loop_never_sleeps_less_than_a_timer_can(monkeypatch: pytest.MonkeyPatch) -> None:
     """uvloop rounds a sleep down to whole milliseconds: a shorter one returns at once,
     and an open loop whose requests are due 0.2 ms apart would spin through every gap."""
-    import shardgrid.bench_load as bench_load
+    import shardgrid.bench.load as bench_load
 
     real_sleep = asyncio.sleep
     asked: list[float] = []

@@ -7,8 +7,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from shardgrid.bench_grpc import GrpcEtcdSender, field, put_request, top_fields, txn_request, varint
-from shardgrid.bench_load import LoadConfig, make_target
+from shardgrid.bench.grpc_client import GrpcEtcdSender, field, put_request, top_fields, txn_request, varint
+from shardgrid.bench.load import LoadConfig, make_target
 
 
 def parse(msg: bytes) -> list[tuple[int, bytes]]:

@@ -1,4 +1,4 @@
-"""The generator's lean HTTP/1.1 client (shardgrid/bench_http.py) against real
+"""The generator's lean HTTP/1.1 client (shardgrid/bench/http_client.py) against real
 servers: an aiohttp app for what the gateway and etcd's JSON gateway send, and
 raw asyncio servers for what they never should."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from yarl import URL
 
-from shardgrid.bench_http import RawHttpSender
+from shardgrid.bench.http_client import RawHttpSender
 
 Prepared = tuple[str, URL, bytes | None, dict[str, str], int]
 

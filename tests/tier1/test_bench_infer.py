@@ -13,8 +13,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from shardgrid.bench import BenchUsageError, format_report, main_from_args, options_from_args, run_bench
-from shardgrid.bench_load import (INFER_POOL, KINDS, LoadConfig, MixError, ShardgridTarget, check_mix_for_target,
+from shardgrid.bench.run import BenchUsageError, format_report, main_from_args, options_from_args, run_bench
+from shardgrid.bench.load import (INFER_POOL, KINDS, LoadConfig, MixError, ShardgridTarget, check_mix_for_target,
                                   classify_infer, infer_body, infer_inputs)
 from shardgrid.cli import build_parser
 from shardgrid.devcluster import LocalCluster, relocated_topology
@@ -174,7 +174,7 @@ def test_local_cluster_passes_worker_args_to_every_worker(tmp_path: Path) -> Non
 
 
 async def test_inproc_sender_computes_the_model_and_batches_queued_requests() -> None:
-    from shardgrid.bench_inproc import InprocSender, compute_description
+    from shardgrid.bench.inproc import InprocSender, compute_description
 
     spec = load_topology(EXAMPLE.read_text()).model("tiny")
     assert spec is not None

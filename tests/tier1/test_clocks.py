@@ -19,7 +19,7 @@ ALLOWED = {
     ("meta/server.py", '"started_ms": int(time.time() * 1000)'): "when an operator started, shown to operators",
     ("worker/process.py", ".removed-{int(time.time())}"): "a removed replica's tombstone directory name",
     ("meta/server.py", '"at_unix_ms": int(time.time() * 1000)'): "when an admission was refused, shown to operators",
-    ("shardgrid/tls.py", "now = datetime.datetime.now(datetime.timezone.utc)"): "the validity dates of the dev "
+    ("shardgrid/common/tls.py", "now = datetime.datetime.now(datetime.timezone.utc)"): "the validity dates of the dev "
     "certificates (`shardgrid dev --tls`): X.509 dates are wall-clock data",
 }
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardgrid.wire import pack_frames, packb, unpack_frame, unpackb
+from shardgrid.common.wire import pack_frames, packb, unpack_frame, unpackb
 
 ENTRIES = (
     m.Entry(3, 10, "term_start", None, None, 5),
@@ -267,7 +267,7 @@ def test_a_frame_that_ends_inside_a_value_or_keys_a_map_by_an_array_is_malformed
 def test_short_repr_is_short_and_safe_for_any_depth() -> None:
     import orjson
 
-    from shardgrid.wire import short_repr
+    from shardgrid.common.wire import short_repr
 
     assert short_repr(orjson.loads(b"[" * 1020 + b"]" * 1020)) == "[[[[...]]]]"
     assert short_repr("x" * 100) == "'" + "x" * 36 + "..."

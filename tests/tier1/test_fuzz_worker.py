@@ -30,7 +30,7 @@ import structlog
 from aiohttp.test_utils import TestClient
 from hypothesis import strategies as st
 
-from shardgrid.wire import pack_frames, packb, unpack_frame, unpackb
+from shardgrid.common.wire import pack_frames, packb, unpack_frame, unpackb
 from tests.support.rawhttp import raw_request
 from tests.tier1.fuzz_support import BAD_JSON_BYTES, HUGE_INTS, JSONISH, NON_FINITE, Tally, assert_error_answer, \
     deep_json, drive_sync, dumps, fuzz

@@ -13,7 +13,7 @@ import pytest
 from gateway.forward import (LANE_DEPTH, MAX_CALL_BYTES, MAX_CALL_RECORDS, Attempt, AttemptFailed, Forwarder,
                              GatewayMetrics, GroupCaller, QueuedWrites, WorkerReply, _expire, take_call)
 from gateway.router import AttemptBudget, Next, RetryState, Target
-from shardgrid.gctune import GATEWAY_YOUNG, tune_gc
+from shardgrid.common.gctune import GATEWAY_YOUNG, tune_gc
 from tests.tier1.test_gateway_fakes import Answer, Call, RecordingLog, dead_addr, err, make_fakes, start_gateway
 from topology.routing import shard_for
 
@@ -23,7 +23,7 @@ SLACK_S = 0.08
 
 @pytest.fixture(autouse=True)
 def gateway_gc_policy() -> Iterator[None]:
-    """The collector as the gateway process runs it (shardgrid/gctune.py): young
+    """The collector as the gateway process runs it (shardgrid/common/gctune.py): young
     collections only. Under pytest's default one, a full collection of the
     test process's heap (hundreds of tests' worth by then) paused the
     in-process gateway for 130 ms in the middle of a 300 ms deadline (CI)."""

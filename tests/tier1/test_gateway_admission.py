@@ -9,8 +9,8 @@ import structlog
 
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaError, MetaUnreachable
-from shardgrid.identity import SoftwareIdentity
-from shardgrid.wire import ApiError
+from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.wire import ApiError
 
 
 class _Meta:

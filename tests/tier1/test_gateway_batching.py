@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from gateway.batching import shard_writes, spread_results
-from shardgrid.wire import ApiError, error_body
+from shardgrid.common.wire import ApiError, error_body
 
 
 def put(id: str, doc: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from aiohttp import WSMsgType, web
 
 from gateway.calls import CALLS_PATH, WorkerCalls
 from gateway.router import Target
-from shardgrid.wire import pack_frames, unpack_frame
+from shardgrid.common.wire import pack_frames, unpack_frame
 
 
 async def test_a_call_that_cannot_be_encoded_fails_alone_and_its_neighbours_are_served(aiohttp_server: Any) -> None:

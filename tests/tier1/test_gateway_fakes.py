@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.routes import Gateway, GatewayConfig
-from shardgrid.wire import STATUS_FOR_CODE, error_body, pack_frames, packb, unpack_frame, unpackb
+from shardgrid.common.wire import STATUS_FOR_CODE, error_body, pack_frames, packb, unpack_frame, unpackb
 
 MSGPACK = "application/msgpack"
 

@@ -10,7 +10,7 @@ import pytest
 from gateway.forward import AttemptFailed, Trace, WorkerReply, reply_from
 from gateway.models import SUSPECT_S, ModelApi
 from gateway.router import RoutingTable, Target
-from shardgrid.wire import ApiError, error_body
+from shardgrid.common.wire import ApiError, error_body
 from worker.infer import infer_warm
 
 D = 2

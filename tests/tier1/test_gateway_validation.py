@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from gateway.routes import batch_write
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 from tests.tier1.test_gateway_fakes import make_fakes, start_gateway
 
 V4 = [0.1, 0.2, 0.3, 0.4]

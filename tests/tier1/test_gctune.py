@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.gctune import GATEWAY_YOUNG, NEVER, YOUNG, collect_fully_every, first_delay, start_gc_policy, tune_gc
+from shardgrid.common.gctune import GATEWAY_YOUNG, NEVER, YOUNG, collect_fully_every, first_delay, start_gc_policy, tune_gc
 
 
 @pytest.fixture

@@ -689,7 +689,7 @@ async def test_a_full_byte_budget_refuses_but_a_call_alone_is_always_admitted(tm
 
 
 def test_entry_sizes_are_measured_once_per_term_and_seq_and_bounded() -> None:
-    from shardgrid.wire import packb
+    from shardgrid.common.wire import packb
     from worker.codec import encode_entry
     from worker.group import EntrySizes
 

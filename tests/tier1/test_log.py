@@ -6,7 +6,7 @@ from typing import Any
 
 import structlog
 
-from shardgrid.log import render_json
+from shardgrid.common.log import render_json
 
 
 def _render(event: dict[str, Any]) -> dict[str, Any]:

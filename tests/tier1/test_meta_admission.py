@@ -16,8 +16,8 @@ from meta.raft import MetaRaft, RaftPeer
 from meta.repair import StartOperator, repair
 from meta.server import MetaServer, MetaServerConfig
 from meta.state import GroupRecord, MetaStateMachine, WorkerRecord, placeable
-from shardgrid.peerauth import ClusterKeys, Principal
-from shardgrid.peerauth_http import PeerSigner
+from shardgrid.common.peerauth import ClusterKeys, Principal
+from shardgrid.common.peerauth_http import PeerSigner
 from tests.support.cluster import free_ports
 from topology.errors import TopologyError
 from topology.loader import load_topology

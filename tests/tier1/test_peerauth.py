@@ -1,4 +1,4 @@
-"""Intra-cluster authentication (shardgrid/peerauth.py, shardgrid/peerauth_http.py)."""
+"""Intra-cluster authentication (shardgrid/common/peerauth.py, shardgrid/common/peerauth_http.py)."""
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
@@ -9,10 +9,10 @@ import structlog
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from shardgrid.peerauth import (AUTH_HEADER, REPLAY_WINDOW, ClusterKeys, PeerAuthError, Principal, SessionTable,
+from shardgrid.common.peerauth import (AUTH_HEADER, REPLAY_WINDOW, ClusterKeys, PeerAuthError, Principal, SessionTable,
                                 _Session, make_hello, parse_principal)
-from shardgrid.peerauth_http import REFUSED_HEADER, PeerGuard, PeerSigner, peer_of, require_sender
-from shardgrid.wire import error_middleware, json_response
+from shardgrid.common.peerauth_http import REFUSED_HEADER, PeerGuard, PeerSigner, peer_of, require_sender
+from shardgrid.common.wire import error_middleware, json_response
 
 W1, W2, G1, META = Principal("worker", "w1"), Principal("worker", "w2"), Principal("gateway", "g1"), \
     Principal("meta", "m1")
@@ -244,7 +244,7 @@ def test_principals_and_hellos_are_checked() -> None:
 
 
 def test_sessions_are_bounded_per_principal() -> None:
-    from shardgrid.peerauth import MAX_SESSIONS_PER_PRINCIPAL
+    from shardgrid.common.peerauth import MAX_SESSIONS_PER_PRINCIPAL
     table = SessionTable(KEYS, META, Clock())
     for _ in range(3 * MAX_SESSIONS_PER_PRINCIPAL):
         table.welcome(make_hello(KEYS, W1))
@@ -300,13 +300,13 @@ async def test_a_forgotten_session_says_hello_again(server: Any) -> None:
 
 
 def test_replayed_hellos_never_push_out_a_confirmed_session() -> None:
-    from shardgrid.peerauth import MAX_SESSIONS, MAX_SESSIONS_PER_PRINCIPAL, request_mac, body_digest, auth_header
+    from shardgrid.common.peerauth import MAX_SESSIONS, MAX_SESSIONS_PER_PRINCIPAL, request_mac, body_digest, auth_header
 
     clock = Clock()
     table = SessionTable(KEYS, META, clock)
     hello = make_hello(KEYS, W1)
     welcome = table.welcome(hello)
-    from shardgrid.peerauth import open_client_session
+    from shardgrid.common.peerauth import open_client_session
     key = open_client_session(KEYS, hello, welcome)
     header = auth_header(welcome.sid, 1, request_mac(key, "POST", "/x", 1, body_digest(b"")))
     assert table.verify(header, "POST", "/x", b"") == W1  # confirmed

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.wire import packb
+from shardgrid.common.wire import packb
 from worker.codec import encode_entry
 from worker.dedup import DedupTable
 from worker.replica import Replica

@@ -1,4 +1,4 @@
-"""The shared aiohttp server limits (shardgrid/serving.py), on a real socket."""
+"""The shared aiohttp server limits (shardgrid/common/serving.py), on a real socket."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 import pytest
 from aiohttp import web
 
-from shardgrid.serving import MAX_FIELD_BYTES, app_runner
+from shardgrid.common.serving import MAX_FIELD_BYTES, app_runner
 
 KEEPALIVE_S = 0.3
 
@@ -87,7 +87,7 @@ async def test_a_header_over_the_limit_is_refused_before_any_handler(port: tuple
 async def test_connections_beyond_the_cap_are_closed_and_the_others_served() -> None:
     import structlog
 
-    from shardgrid.serving import cap_connections
+    from shardgrid.common.serving import cap_connections
     from tests.support.waiting import until
 
     async def hi(_request: web.Request) -> web.Response:
@@ -127,8 +127,8 @@ async def test_connections_beyond_the_cap_are_closed_and_the_others_served() -> 
 
 
 async def test_a_body_that_trickles_in_is_a_408_and_its_handler_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardgrid import serving
-    from shardgrid.wire import error_middleware
+    from shardgrid.common import serving
+    from shardgrid.common.wire import error_middleware
 
     monkeypatch.setattr(serving, "BODY_READ_S", 0.3)
     ran: list[bytes] = []

@@ -98,7 +98,7 @@ def _hand_made(path: Path, header: object, body: bytes = b"", header_len: int | 
     """An archive written byte by byte, as a hostile or broken source could send it."""
     import struct
 
-    from shardgrid.wire import packb
+    from shardgrid.common.wire import packb
     from worker.snapshots import MAGIC
 
     raw = packb(header)

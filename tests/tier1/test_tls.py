@@ -1,4 +1,4 @@
-"""shardgrid/tls.py: contexts, the dev PKI, and the rules around them (no processes)."""
+"""shardgrid/common/tls.py: contexts, the dev PKI, and the rules around them (no processes)."""
 from __future__ import annotations
 
 import argparse
@@ -16,8 +16,8 @@ from aiohttp import web
 from gateway.router import RoutingTable
 from meta.client import MetaClient, TokenInClear
 from shardgrid import topoctl
-from shardgrid.auth import write_secret
-from shardgrid.tls import (NO_TLS, DevPki, Tls, TlsConfigError, add_tls_arguments, base_url, client_context,
+from shardgrid.common.auth import write_secret
+from shardgrid.common.tls import (NO_TLS, DevPki, Tls, TlsConfigError, add_tls_arguments, base_url, client_context,
                            connector_ssl, dev_pki, scheme, server_context, tls_from_args)
 
 

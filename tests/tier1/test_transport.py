@@ -7,7 +7,7 @@ from typing import Any
 import structlog
 from aiohttp import WSMsgType, web
 
-from shardgrid.wire import unpack_frame
+from shardgrid.common.wire import unpack_frame
 from worker import replica_msgs as m
 from worker.codec import decode_message
 from worker.transport import STREAM_PATH, Transport

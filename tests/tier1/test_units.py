@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shardgrid.units import format_bytes, parse_bytes
+from shardgrid.common.units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("8GB", 8 * 10**9), ("8 gb", 8 * 10**9),

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.models import output_rows, parse_input, slice_weights
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 from worker.infer import InferenceService
 from worker.plugins import ApplyContext, PluginSettings, load_plugin
 from worker.plugins.layers_model import ModelConfig, encode_layers, generate_layers, rows_to_tensor, run_model, \

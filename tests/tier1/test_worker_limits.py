@@ -14,7 +14,7 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestClient
 
-from shardgrid.wire import pack_frames, packb, unpack_frame
+from shardgrid.common.wire import pack_frames, packb, unpack_frame
 from worker.group import GroupOverloaded
 from worker.process import WorkerConfig, WorkerNode
 from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
@@ -95,7 +95,7 @@ async def _post(w: Worker, route: str, body: Any, packed: bool = True) -> tuple[
         resp = await w.client.post(f"/v1/groups/0/{route}", data=packb(body), headers=MSGPACK)
     else:
         resp = await w.client.post(f"/v1/groups/0/{route}", json=body)
-    # Errors are JSON whatever the request's encoding (shardgrid.wire.error_middleware).
+    # Errors are JSON whatever the request's encoding (shardgrid.common.wire.error_middleware).
     if resp.content_type == MSGPACK["Content-Type"]:
         return resp.status, msgpack.unpackb(await resp.read(), raw=False)
     return resp.status, await resp.json()

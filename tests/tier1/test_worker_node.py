@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 from prometheus_client import generate_latest
 
-from shardgrid.bench_rounds import COUNTERS, parse_counters
+from shardgrid.bench.rounds import COUNTERS, parse_counters
 from worker import replica_msgs as m
 from worker.process import VIEW_FETCH_GAP_S, WorkerConfig, WorkerNode
 

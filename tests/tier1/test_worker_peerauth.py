@@ -11,9 +11,9 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestServer
 
-from shardgrid.peerauth import AUTH_HEADER, ClusterKeys, Principal
-from shardgrid.peerauth_http import PeerSigner
-from shardgrid.wire import packb
+from shardgrid.common.peerauth import AUTH_HEADER, ClusterKeys, Principal
+from shardgrid.common.peerauth_http import PeerSigner
+from shardgrid.common.wire import packb
 from worker import replica_msgs as m
 from worker.codec import encode_message
 from worker.process import WorkerConfig, WorkerNode
@@ -104,7 +104,7 @@ async def test_a_replication_message_speaks_only_for_its_sender(worker: Any) -> 
             assert r.status == 204
         assert [msg.src for msg in shell.delivered] == ["w2"]
         async with s.ws_connect(srv.make_url(STREAM_PATH)) as sock:
-            from shardgrid.wire import pack_frames
+            from shardgrid.common.wire import pack_frames
             for frame in pack_frames([encode_message(m.Heartbeat(group=0, src="w3", dst="w1", term=1, commit=1, round=0)),
                                       encode_message(m.Heartbeat(group=0, src="w2", dst="w1", term=1, commit=2, round=0))]):
                 await sock.send_bytes(frame)
@@ -125,7 +125,7 @@ async def test_a_revoked_peer_is_refused_from_the_view_that_says_so(worker: Any)
         node.view["workers"]["w2"]["admission"] = "revoked"
         async with s.post(srv.make_url("/v1/raft"), data=_hb("w2")) as r:
             assert r.status == 403 and (await r.json())["error"]["reason"] == "revoked"
-        from shardgrid.wire import pack_frames
+        from shardgrid.common.wire import pack_frames
         for frame in pack_frames([encode_message(m.Heartbeat(group=0, src="w2", dst="w1", term=1, commit=1,
                                                              round=0))]):
             await sock.send_bytes(frame)

@@ -16,7 +16,7 @@ import structlog
 from aiohttp.test_utils import TestClient
 from prometheus_client import generate_latest
 
-from shardgrid.wire import pack_frames, packb
+from shardgrid.common.wire import pack_frames, packb
 from worker import replica_msgs as m
 from worker.codec import encode_message
 from worker.group import GroupSettings, GroupShell

@@ -20,8 +20,8 @@ from typing import Any
 
 import aiohttp
 
-from shardgrid.peerauth import HELLO_HEADER, ClusterKeys, Principal, make_hello
-from shardgrid.wire import packb
+from shardgrid.common.peerauth import HELLO_HEADER, ClusterKeys, Principal, make_hello
+from shardgrid.common.wire import packb
 from worker import replica_msgs as m
 from worker.codec import encode_message
 from worker.transport import STREAM_PATH

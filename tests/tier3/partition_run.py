@@ -51,7 +51,7 @@ from typing import Any, Callable
 from tests.support.cluster import Cluster, MetaSpec, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
-from shardgrid.auth import write_secret
+from shardgrid.common.auth import write_secret
 from shardgrid.topoctl import replica_problems
 from tests.tier3.test_chaos import GROUPS, Background
 from topology.routing import shard_for

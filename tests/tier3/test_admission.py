@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardgrid.auth import write_secret
+from shardgrid.common.auth import write_secret
 from tests.support.cluster import Child, Cluster, free_ports, http_json, wait_until
 from tests.support.load import LoadGenerator
 from tests.tier3.test_chaos import GROUPS, Background, judge

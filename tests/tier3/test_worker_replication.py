@@ -13,8 +13,8 @@ import pytest
 
 from meta.controller import REBALANCE_AFTER_MS
 from tests.support.cluster import Cluster, wait_until
-from shardgrid.peerauth import ClusterKeys, Principal
-from shardgrid.peerauth_http import PeerSigner
+from shardgrid.common.peerauth import ClusterKeys, Principal
+from shardgrid.common.peerauth_http import PeerSigner
 
 pytestmark = pytest.mark.tier3
 

@@ -90,8 +90,8 @@ import msgpack
 import orjson
 import xxhash
 
-from shardgrid.ids import id_problem
-from shardgrid.wire import short_repr
+from shardgrid.common.ids import id_problem
+from shardgrid.common.wire import short_repr
 from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, SnapshotError, SnapshotWriter, Unappliable, \
     import_torch
 

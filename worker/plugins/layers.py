@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgpack
 import xxhash
 
-from shardgrid.wire import short_repr
+from shardgrid.common.wire import short_repr
 from worker.plugins.base import ApplyContext, BadOp, PluginSettings, SnapshotError, SnapshotWriter, Unappliable
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 One generator process runs one `Engine` on uvloop and sends pre-built request
 bodies (orjson, built once or by byte concatenation) over keep-alive
-connections: the lean client of `bench_http.py` (`--client raw`, the
+connections: the lean client of `http_client.py` (`--client raw`, the
 default) or one aiohttp ClientSession (`--client aiohttp`); nothing is
 logged per request.
 `bench.py` starts `--procs` of them (multiprocessing, spawn) and merges what
@@ -43,15 +43,17 @@ import re
 import signal
 import string
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 from urllib.parse import quote
 
 import aiohttp
 import orjson
 from yarl import URL
 
-from shardgrid.bench_stats import KindStats, encode, new_histogram, record_us
+# Re-exported: run.py and the tests take the config and the outcomes from here.
+from shardgrid.bench.config import (INFER_POOL, MISS1, OK1, LoadConfig, Outcome, Prepared, Send, fail,  # noqa: F401
+                                    infer_inputs)
+from shardgrid.bench.stats import KindStats, encode, new_histogram, record_us
 from topology.model import MAX_INFER_ROWS
 
 # -- the operation mix -----------------------------------------------------------------------
@@ -74,7 +76,6 @@ ETCD_KINDS = ("put", "get", "delete")
 TARGETS = ("shardgrid", "etcd", "etcd-grpc", "inproc")
 ETCD_TARGETS = ("etcd", "etcd-grpc")
 MAX_BATCH = 1000  # the gateway's limit on writes per /batch
-INFER_POOL = 64  # distinct request bodies an infer load cycles through
 
 _WEIGHT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
@@ -175,68 +176,6 @@ def scheduled_count(span_ns: int, rate: float, proc: int = 0, procs: int = 1) ->
     return (total - proc + procs - 1) // procs if total > proc else 0
 
 
-# -- configuration of one generator process --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadConfig:
-    target: str = "shardgrid"
-    urls: tuple[str, ...] = ("http://127.0.0.1:8080",)
-    mix: tuple[tuple[str, float], ...] = (("put", 100.0),)
-    concurrency: int = 16  # closed loop: this process's workers
-    rate: float | None = None  # open loop: requests/s of the whole run (every process)
-    duration_s: float = 10.0  # measured part, after the warm-up
-    warmup_s: int = 0
-    ack: str | None = None
-    deadline_ms: int | None = None
-    value_bytes: int = 100
-    batch: int = 0  # > 0: writes go as /batch (etcd: txn) requests of this many writes
-    keys: int = 100_000
-    key_prefix: str = "bench-"
-    embedding_dim: int = 64
-    search_k: int = 10
-    timeout_s: float = 10.0
-    max_inflight: int = 10_000  # open loop: this process's cap
-    seed: int = 1
-    proc: int = 0
-    procs: int = 1
-    run_id: str = "run"
-    client: str = "raw"  # HTTP targets: "raw" (bench_http.py) or "aiohttp"
-    # infer: the model, the rows of each request and their width (the model's d_model)
-    model: str = "tiny"
-    infer_rows: int = 1
-    model_dim: int = 64
-    # --target inproc: the model's ModelSpec.to_dict() as JSON, and the most rows one forward pass takes
-    model_spec: str | None = None
-    infer_max_rows: int = 64
-
-    @property
-    def kinds(self) -> list[str]:
-        return [k for k, _ in self.mix]
-
-    @property
-    def open_loop(self) -> bool:
-        return self.rate is not None
-
-    def for_proc(self, proc: int, procs: int) -> "LoadConfig":
-        """This config's share for process `proc` of `procs`."""
-        conc = self.concurrency // procs + (1 if proc < self.concurrency % procs else 0)
-        return replace(self, proc=proc, procs=procs, concurrency=conc,
-                       max_inflight=max(1, -(-self.max_inflight // procs)))
-
-
-# Outcome of one request: (ok, error code, records acknowledged, per-record errors, miss)
-Outcome = tuple[bool, str | None, int, dict[str, int] | None, bool]
-Send = Callable[[int], Awaitable[Outcome]]
-Prepared = tuple[str, URL, bytes | None, dict[str, str], int]
-OK1: Outcome = (True, None, 1, None, False)
-MISS1: Outcome = (True, None, 1, None, True)
-
-
-def _fail(code: str) -> Outcome:
-    return (False, code, 0, None, False)
-
-
 def make_value(value_bytes: int, rng: random.Random) -> bytes:
     """The document every put writes: `{"v": "<value_bytes random letters>"}`."""
     letters = string.ascii_letters + string.digits
@@ -254,16 +193,6 @@ def _error_code(status: int, raw: bytes) -> str:
     return f"http_{status}"
 
 
-def infer_inputs(rows: int, d_model: int, seed: int, count: int = INFER_POOL) -> list[list[list[float]]]:
-    """`count` inputs of `rows` rows of `d_model` floats in [-1, 1), a function of `seed` alone.
-
-    Rounded to 6 digits: the JSON stays short, and every value is exact
-    enough for a float32 model.
-    """
-    rng = random.Random(seed * 1_000_033 + 17)
-    return [[[round(rng.uniform(-1.0, 1.0), 6) for _ in range(d_model)] for _ in range(rows)] for _ in range(count)]
-
-
 def infer_body(rows: list[list[float]]) -> bytes:
     """The body of `POST /v1/models/{name}/infer`: `{"input": [[...], ...]}`."""
     return orjson.dumps({"input": rows})
@@ -273,7 +202,7 @@ def classify_infer(status: int, raw: bytes, n: int) -> Outcome:
     """An infer answer: 200 is `n` rows computed; anything else an error by its code (over_budget, ...)."""
     if status == 200:
         return (True, None, n, None, False)
-    return _fail(_error_code(status, raw))
+    return fail(_error_code(status, raw))
 
 
 class _Target:
@@ -412,20 +341,20 @@ class ShardgridTarget(_Target):
                 return OK1
             if status == 404 and miss_ok:
                 return MISS1
-            return _fail(_error_code(status, raw))
+            return fail(_error_code(status, raw))
         return single
 
 
 def classify_batch(status: int, raw: bytes, n: int) -> Outcome:
     """A /batch answer: 200 with one result per write, each a result or an error body."""
     if status != 200:
-        return _fail(_error_code(status, raw))
+        return fail(_error_code(status, raw))
     if b'"error"' not in raw:
         return (True, None, n, None, False)
     try:
         results = orjson.loads(raw)["results"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return _fail("bad_response")
+        return fail("bad_response")
     errors: dict[str, int] = {}
     for r in results:
         if isinstance(r, dict) and isinstance(r.get("error"), dict):
@@ -493,9 +422,9 @@ class EtcdTarget(_Target):
                 return (True, None, n, None, False)
             try:
                 code = orjson.loads(raw).get("code")
-                return _fail(f"etcd_{GRPC_CODES.get(code, code)}")
+                return fail(f"etcd_{GRPC_CODES.get(code, code)}")
             except (orjson.JSONDecodeError, AttributeError):
-                return _fail(f"http_{status}")
+                return fail(f"http_{status}")
         return etcd
 
 
@@ -523,11 +452,11 @@ class HttpSender:
                 raw = await resp.read()
                 status = resp.status
         except (asyncio.TimeoutError, TimeoutError):
-            return _fail("timeout")
+            return fail("timeout")
         except aiohttp.ClientConnectionError:
-            return _fail("connection_error")
+            return fail("connection_error")
         except aiohttp.ClientError as exc:
-            return _fail(f"client_{type(exc).__name__}")
+            return fail(f"client_{type(exc).__name__}")
         return self.classify[kind](status, raw, n)
 
 
@@ -646,14 +575,14 @@ class Engine:
             try:
                 out = await self.send(kind)
             except Exception as exc:  # a bug in a sender must not stop the run silently
-                out = _fail(f"client_{type(exc).__name__}")
+                out = fail(f"client_{type(exc).__name__}")
             self._record(kind, clock() - t0, out)
 
     async def _open_one(self, kind: int, intended_ns: int, slot: asyncio.Event) -> None:
         try:
             out = await self.send(kind)
         except Exception as exc:
-            out = _fail(f"client_{type(exc).__name__}")
+            out = fail(f"client_{type(exc).__name__}")
         # From the intended send time: waiting to be sent is part of the latency.
         self._record(kind, time.monotonic_ns() - intended_ns, out)
         self.inflight -= 1
@@ -733,16 +662,16 @@ async def _child(cfg: LoadConfig, q: Any, go: Any, stop: Any, start_at: Any) -> 
         send: Send
         target: Any = None if cfg.target == "inproc" else make_target(cfg, rng)
         if target is None:
-            from shardgrid.bench_inproc import InprocSender
+            from shardgrid.bench.inproc import InprocSender
 
             # Builds the weights before "ready": the run measures inference, not their generation.
             raw_send = send = await InprocSender.create(cfg)
         elif cfg.target == "etcd-grpc":
-            from shardgrid.bench_grpc import GrpcEtcdSender
+            from shardgrid.bench.grpc_client import GrpcEtcdSender
 
             grpc_send = send = GrpcEtcdSender(target)
         elif cfg.client == "raw":
-            from shardgrid.bench_http import make_raw_sender
+            from shardgrid.bench.http_client import make_raw_sender
 
             raw_send = send = make_raw_sender(target)
         else:

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 
 # An idle keep-alive connection is closed after this, and the timer starts
 # when a connection opens or an answer is sent: a client that connects and

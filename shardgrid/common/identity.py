@@ -31,7 +31,7 @@ def package_version() -> str:
 
 def code_digest(root: Path | None = None) -> str:
     """Digest of the installed code; files are taken in path order so every install of one tree agrees."""
-    base = root if root is not None else Path(__file__).resolve().parent.parent
+    base = root if root is not None else Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for pkg in PACKAGES:
         for path in sorted((base / pkg).rglob("*.py")):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from shardgrid.bench_load import MISS1, Outcome, _fail
+from shardgrid.bench.config import MISS1, Outcome, fail
 
 if TYPE_CHECKING:
-    from shardgrid.bench_load import _Target
+    from shardgrid.bench.load import _Target
 
 _SERVICE = "/etcdserverpb.KV/"
 
@@ -128,9 +128,9 @@ class GrpcEtcdSender:
             raw = await self.calls[method][i](make(), timeout=self.timeout)
         except aio.AioRpcError as exc:
             code = exc.code().name.lower()
-            return _fail("timeout" if code == "deadline_exceeded" else f"etcd_{code}")
+            return fail("timeout" if code == "deadline_exceeded" else f"etcd_{code}")
         except (asyncio.TimeoutError, TimeoutError):
-            return _fail("timeout")
+            return fail("timeout")
         # RangeResponse.kvs is field 2, DeleteRangeResponse.deleted field 2: absent = a miss.
         if method in ("Range", "DeleteRange") and 2 not in top_fields(raw):
             return MISS1

@@ -9,10 +9,10 @@
 The parent process starts the cluster under test when asked (`--cluster
 local`: a LocalCluster, or a 3-member etcd, in a temporary data directory,
 always stopped afterwards, also on Ctrl-C, SIGTERM or errors), spawns
-`--procs` generator processes (bench_load.py), starts them together, merges
-their once-a-second ticks (bench_stats.py) into the progress lines and the
+`--procs` generator processes (load.py), starts them together, merges
+their once-a-second ticks (stats.py) into the progress lines and the
 totals, samples the CPU time of the cluster's processes before and after
-(bench_cpu.py), then prints the report and writes it as JSON (`--json`).
+(cpu.py), then prints the report and writes it as JSON (`--json`).
 
 Figures: achieved ops/s (and records/s with --batch) over the measured part
 of the run, errors by code, latency percentiles of successful operations
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from shardgrid.bench_cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
-from shardgrid.bench_load import (ETCD_TARGETS, KINDS, MAX_BATCH, MAX_INFER_ROWS, TARGETS, WRITE_KINDS, LoadConfig,
+from shardgrid.bench.cpu import CpuAccount, pids_from_dir, pids_from_list, pids_from_pattern
+from shardgrid.bench.load import (ETCD_TARGETS, KINDS, MAX_BATCH, MAX_INFER_ROWS, TARGETS, WRITE_KINDS, LoadConfig,
                                   MixError, check_mix_for_target, child_main, parse_mix)
-from shardgrid.bench_rounds import WorkerCounters, format_rounds, rounds_report
-from shardgrid.bench_stats import KindTotals, latency_summary, merge_into, new_histogram, overall
+from shardgrid.bench.rounds import WorkerCounters, format_rounds, rounds_report
+from shardgrid.bench.stats import KindTotals, latency_summary, merge_into, new_histogram, overall
 
 if TYPE_CHECKING:
     from topology.model import Topology
@@ -104,7 +104,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=10_000,
                    help="open loop: most requests outstanding at once, all processes (default 10000)")
     p.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
-                   help="HTTP client of the generator: raw (lean keep-alive HTTP/1.1, shardgrid/bench_http.py; "
+                   help="HTTP client of the generator: raw (lean keep-alive HTTP/1.1, shardgrid/bench/http_client.py; "
                         "about a fifth of aiohttp's CPU per request) or aiohttp (default raw)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="client timeout per request (default 10)")
     p.add_argument("--embedding-dim", type=int, default=None,
@@ -427,7 +427,7 @@ def start_local(opts: BenchOptions, say: Callable[[str], None] = _say_err) -> Cl
 
     try:
         if opts.load.target in ETCD_TARGETS:
-            from shardgrid.bench_etcd import LocalEtcd
+            from shardgrid.bench.etcd import LocalEtcd
 
             base = find_port_base([0, 1, 2, 100, 101, 102])
             etcd = LocalEtcd(data, client_ports=[base, base + 1, base + 2],
@@ -539,7 +539,7 @@ def inproc_env(opts: BenchOptions) -> ClusterEnv:
     """--target inproc: no cluster; what the generator computes, for the report."""
     import orjson
 
-    from shardgrid.bench_inproc import compute_description
+    from shardgrid.bench.inproc import compute_description
 
     cfg = opts.load
     spec = orjson.loads(cfg.model_spec or "{}")

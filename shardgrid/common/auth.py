@@ -14,7 +14,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from shardgrid.wire import ApiError
+from shardgrid.common.wire import ApiError
 
 _SCHEME = "bearer "
 UNAUTHORIZED_MESSAGE = "this operation needs the admin token (Authorization: Bearer ...)"

@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardgrid.auth import write_secret_bytes
+from shardgrid.common.auth import write_secret_bytes
 
 CA_ENV = "SHARDGRID_TLS_CA"
 DEV_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -85,7 +85,7 @@ def connector_ssl(client: ssl.SSLContext | None) -> ssl.SSLContext | bool:
 
 
 def _check_key_private(key: Path) -> None:
-    # The same rule as secret files (shardgrid/auth.py): a key others can read
+    # The same rule as secret files (shardgrid/common/auth.py): a key others can read
     # or replace proves nothing about who holds it.
     try:
         mode = stat.S_IMODE(os.stat(key).st_mode)

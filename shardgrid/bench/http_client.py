@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from yarl import URL
 
 if TYPE_CHECKING:
-    from shardgrid.bench_load import Outcome, Prepared
+    from shardgrid.bench.config import Outcome, Prepared
 
 Classify = Callable[[int, bytes, int], "Outcome"]
 
@@ -155,7 +155,7 @@ class _Conn(asyncio.Protocol):
 
 
 class RawHttpSender:
-    """send(kind index) -> Outcome, like bench_load.HttpSender, on `_Conn`s; never raises."""
+    """send(kind index) -> Outcome, like load.HttpSender, on `_Conn`s; never raises."""
 
     def __init__(self, prepare: list[Callable[[], "Prepared"]], classify: list[Classify], timeout_s: float) -> None:
         self.prepare = prepare

@@ -13,7 +13,7 @@ as soon as the previous one ended, with whatever has queued meanwhile. The
 compute thread uses one torch intra-op thread, as a worker's does, so the
 event loop keeps the other core of a small machine.
 
-torch is imported here only (bench.py and bench_load.py import this module
+torch is imported here only (run.py and load.py import this module
 when the target is inproc), so the other targets never pay for it.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from shardgrid.bench_load import LoadConfig, Outcome, _fail, infer_inputs
+from shardgrid.bench.config import LoadConfig, Outcome, fail, infer_inputs
 
 def compute_description(max_rows: int) -> str:
     """How --target inproc serves concurrent requests (the report line and the JSON say it)."""
@@ -110,7 +110,7 @@ class InprocSender:
             except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests, not the run
                 for p in batch:
                     if not p.fut.done():
-                        p.fut.set_result(_fail(f"compute_{type(exc).__name__}"))
+                        p.fut.set_result(fail(f"compute_{type(exc).__name__}"))
                 continue
             self.stats.passes += 1
             self.stats.rows += rows
@@ -128,7 +128,7 @@ class InprocSender:
                 pass
         for p in self.queue:
             if not p.fut.done():
-                p.fut.set_result(_fail("stopped"))
+                p.fut.set_result(fail("stopped"))
         self.queue.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)
 

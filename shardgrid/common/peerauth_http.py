@@ -1,4 +1,4 @@
-"""`shardgrid/peerauth.py` on aiohttp: the server's guard and the client's signer.
+"""`shardgrid/common/peerauth.py` on aiohttp: the server's guard and the client's signer.
 
 The guard is a server middleware. It answers hellos itself, and for every
 route its policy names it checks the request's session MAC and the sender's
@@ -26,12 +26,12 @@ from aiohttp import ClientRequest, ClientResponse, web
 from aiohttp.client_middlewares import ClientHandlerType
 from prometheus_client import CollectorRegistry, Counter
 
-from shardgrid.auth import read_secret
-from shardgrid.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClientSession, ClusterKeys, PeerAuthError,
+from shardgrid.common.auth import read_secret
+from shardgrid.common.peerauth import (AUTH_HEADER, HELLO_HEADER, HELLO_PATH, ClientSession, ClusterKeys, PeerAuthError,
                                 Principal, SessionTable, make_hello, open_client_session, parse_hello,
                                 parse_welcome)
-from shardgrid.serving import read_body
-from shardgrid.wire import ApiError, error_response, json_response
+from shardgrid.common.serving import read_body
+from shardgrid.common.wire import ApiError, error_response, json_response
 
 REFUSED_HEADER = "Shardgrid-Refused"
 WELCOME_HEADER = "Shardgrid-Welcome"

@@ -18,7 +18,7 @@ involved: the clocks of a cluster may disagree or step (DESIGN §4) and
 authentication must not care. A server that restarts or evicts a session
 answers `session_unknown`, and the client says hello again.
 
-This module is pure (no sockets, no asyncio): `shardgrid/peerauth_http.py`
+This module is pure (no sockets, no asyncio): `shardgrid/common/peerauth_http.py`
 puts it on aiohttp's server and client middlewares.
 """
 from __future__ import annotations

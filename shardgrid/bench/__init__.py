@@ -1,0 +1,1 @@
+"""`shardgrid bench`: the load generator and its report (run.py is the entry point; ARCHITECTURE.md)."""
