@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import aiohttp
-import orjson
-from multidict import CIMultiDictProxy
 from prometheus_client import Counter, Gauge
 
 from gateway.calls import WorkerCalls
@@ -45,10 +43,8 @@ from gateway.router import (MIN_ATTEMPT_S, NO_QUORUM, WORKER_MARGIN_S, AttemptBu
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.common.httpmetrics import HttpMetrics
 from shardgrid.common.tls import scheme
-from shardgrid.common.wire import ApiError, error_body, packb, unpackb
+from shardgrid.common.wire import ApiError, error_body
 
-MSGPACK = "application/msgpack"
-_MSGPACK_HEADERS = {"Content-Type": MSGPACK}
 # Bounds of one coalesced write_batch (the rest wait for the next call): client
 # records (a put_items counts its ids; the leader's Appends carry 4096), and
 # what the requests that carried its writes weighed, so that a call of many
@@ -116,22 +112,6 @@ class Attempt:
     task: asyncio.Task[Any] | None = None
     wid: str = ""
     moved: bool = False
-
-
-def parse_reply(status: int, headers: CIMultiDictProxy[str] | dict[str, str], content_type: str, raw: bytes,
-                target: Target, gid: int | None) -> WorkerReply:
-    """Decode a worker's HTTP answer (msgpack or, for errors raised before the body was read, JSON)."""
-    body: Any
-    try:
-        if content_type == MSGPACK:
-            body = unpackb(raw)
-        elif content_type == "application/json":
-            body = orjson.loads(raw)
-        else:
-            body = raw.decode("utf-8", "replace")
-    except (ValueError, orjson.JSONDecodeError):
-        body = raw[:200].decode("utf-8", "replace")
-    return reply_from(status, headers, body, target, gid)
 
 
 # -- the routing cache ------------------------------------------------------------------------------
@@ -304,34 +284,22 @@ class GroupCaller:
     large batches and an idle one adds no latency (no timers).
     """
 
-    def __init__(self, gid: int, calls: WorkerCalls, metrics: GatewayMetrics, coalesce: bool) -> None:
+    def __init__(self, gid: int, calls: WorkerCalls, metrics: GatewayMetrics) -> None:
         self.gid = gid
         self.calls = calls
         self.metrics = metrics
-        self.coalesce = coalesce
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def write(self, target: Target, op: dict[str, Any], rid: str, ack: str, budget: AttemptBudget,
                     attempt: Attempt, size: int = 0) -> WorkerReply:
         """One write; its answer as if it had gone alone."""
-        if not self.coalesce:
-            attempt.sent = True
-            return await self.calls.call(target, "write", self.gid,
-                                         {"op": op, "ack": ack, "rid": rid, "deadline_ms": budget.worker_deadline_ms},
-                                         budget.http_timeout_s)
         return await self._queue(target, [{"op": op, "rid": rid}], False, 1, size, ack, budget, attempt)
 
     async def write_many(self, target: Target, writes: list[dict[str, Any]], ack: str, budget: AttemptBudget,
                          attempt: Attempt, size: int = 0) -> WorkerReply:
         """Several writes (`{"op", "rid"}`), answered like a write_batch of exactly these:
         `{"results": [...]}` in order, or one group-level refusal."""
-        if not self.coalesce:
-            attempt.sent = True
-            self.metrics.write_batches.labels("batch").inc()
-            return await self.calls.call(target, "write_batch", self.gid,
-                                         {"writes": writes, "ack": ack, "deadline_ms": budget.worker_deadline_ms},
-                                         budget.http_timeout_s)
         # Client records, as the leader counts them for its Appends: a put_items counts its ids.
         records = sum(len(w["op"]["ids"]) if w["op"].get("kind") == "put_items" else 1 for w in writes)
         return await self._queue(target, writes, True, records, size, ack, budget, attempt)
@@ -492,18 +460,17 @@ class SearchOutcome:
 
 
 class Forwarder:
-    def __init__(self, cache: RouteCache, calls: WorkerCalls, metrics: GatewayMetrics, coalesce: bool = True) -> None:
+    def __init__(self, cache: RouteCache, calls: WorkerCalls, metrics: GatewayMetrics) -> None:
         self.cache = cache
         self.calls = calls
         self.metrics = metrics
-        self.coalesce = coalesce
         self._callers: dict[int, GroupCaller] = {}
         self._rotation = itertools.count()  # spreads follower reads over replicas
 
     def caller(self, gid: int) -> GroupCaller:
         c = self._callers.get(gid)
         if c is None:
-            c = self._callers[gid] = GroupCaller(gid, self.calls, self.metrics, self.coalesce)
+            c = self._callers[gid] = GroupCaller(gid, self.calls, self.metrics)
         return c
 
     async def close(self) -> None:

@@ -96,7 +96,6 @@ class GatewayConfig:
     admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     access_log: bool = False  # one info line per request: an operator opt-in (CPU on every request)
     max_body_bytes: int = 1 << 20
-    coalesce: bool = True  # queue single writes behind an in-flight call to the group (see forward.py)
     pool_size: int = 4096  # connections to workers and meta, all hosts together
     watch_timeout_s: float = 25.0
     # Its name in the cluster (principal gateway:ID; default: its listen address).
@@ -446,7 +445,7 @@ class Gateway:
         meta = MetaClient(list(self.cfg.meta), session=session, tls=self.cfg.tls.client)
         cache = RouteCache(meta, self.log, self.metrics, self.cfg.watch_timeout_s)
         calls = WorkerCalls(session, self.log, self.metrics.stream_full.inc)
-        self._rt = _Runtime(session, meta, cache, Forwarder(cache, calls, self.metrics, coalesce=self.cfg.coalesce))
+        self._rt = _Runtime(session, meta, cache, Forwarder(cache, calls, self.metrics))
         cache.start()
         if keys is not None:
             self._admission_task = asyncio.create_task(keep_admitted(

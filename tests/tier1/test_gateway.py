@@ -576,7 +576,7 @@ async def test_writes_whose_owner_was_answered_meanwhile_never_leave(settled_bef
     # iteration as the flush must not have its writes sent after all: the
     # gateway would then answer "nothing was applied" for writes that commit.
     calls = _GatedCalls()
-    caller = GroupCaller(0, calls, GatewayMetrics(), coalesce=True)  # type: ignore[arg-type]
+    caller = GroupCaller(0, calls, GatewayMetrics())  # type: ignore[arg-type]
     target, budget = Target("A", "http://a", 1), AttemptBudget(5.0, 4000)
     first = asyncio.create_task(caller.write(target, {"kind": "put_item"}, "first", "quorum", budget, Attempt()))
     while not calls.sent:
@@ -608,7 +608,7 @@ async def test_writes_whose_owner_was_answered_meanwhile_never_leave(settled_bef
 
 async def test_a_call_counts_a_put_items_by_its_records() -> None:
     calls = _GatedCalls()
-    caller = GroupCaller(0, calls, GatewayMetrics(), coalesce=True)  # type: ignore[arg-type]
+    caller = GroupCaller(0, calls, GatewayMetrics())  # type: ignore[arg-type]
     target, budget = Target("A", "http://a", 1), AttemptBudget(5.0, 4000)
 
     def part(rid: str, n: int) -> list[dict[str, Any]]:
