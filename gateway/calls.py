@@ -23,15 +23,13 @@ import aiohttp
 import structlog
 
 from gateway.reply import AttemptFailed, WorkerReply, reply_from
+from shardgrid.common.protocol import CALLS_PATH, HEARTBEAT_S, MAX_FRAME
 from shardgrid.common.wire import ItemTooLarge, error_body, pack_frames, unpack_frame
 
 if TYPE_CHECKING:
     from gateway.router import Target
 
-CALLS_PATH = "/v1/calls"
-HEARTBEAT_S = 3.0  # as worker/transport.py
 CONNECT_TIMEOUT_S = 1.0
-MAX_FRAME = 64 << 20
 # The outbox of one stream: calls in flight on it (queued for the next
 # flush, being written, or waiting for their answer), and the bytes of
 # frames handed to the socket and not yet written. A worker that reads

@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDictProxy
 
-from shardgrid.common.wire import STATUS_FOR_CODE, error_body
+from shardgrid.common.wire import CODE_FOR_STATUS, STATUS_FOR_CODE, error_body
 
 if TYPE_CHECKING:
     from gateway.router import Target
 
-_CODE_FOR_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "payload_too_large",
-                    501: "not_implemented", 503: "unavailable", 504: "deadline_exceeded"}
 
 
 @dataclass(slots=True)
@@ -75,7 +73,7 @@ def reply_from(status: int, headers: CIMultiDictProxy[str] | dict[str, str], bod
                            seq if seq is not None else int_or_none(body.get("seq")))
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict) or not isinstance(err.get("code"), str):
-        code = _CODE_FOR_STATUS.get(status, "internal")
+        code = CODE_FOR_STATUS.get(status, "internal")
         body = error_body(code, f"worker {target.wid} answered {status}: {str(body)[:200]}", shard=gid)
         err = body["error"]
     if status < 400:

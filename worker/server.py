@@ -30,7 +30,7 @@ from worker.group import GroupOverloaded
 from topology.model import MAX_INFER_ROWS
 from worker.infer import infer_warm
 from worker.throttle import SNAPSHOT_BUSY
-from worker.transport import HEARTBEAT_S, STREAM_PATH
+from shardgrid.common.protocol import CALLS_PATH, HEARTBEAT_S, STREAM_PATH
 from worker.plugins.base import BadOp
 
 if TYPE_CHECKING:
@@ -108,7 +108,6 @@ def _timeout(body: dict[str, Any]) -> float:
 
 
 RID_RULE = "rid must be a non-empty string of at most 128 characters"
-CALLS_PATH = "/v1/calls"
 
 
 def _rid_ok(rid: Any) -> bool:

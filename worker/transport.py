@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from shardgrid.common.protocol import HEARTBEAT_S, STREAM_PATH
 from shardgrid.common.tls import connector_ssl, scheme
 from shardgrid.common.wire import pack_frames
 from worker.codec import encode_message
@@ -39,8 +40,6 @@ CONNECT_TIMEOUT_S = 1.0
 # Ping every HEARTBEAT_S; no pong within half of it closes the stream: a
 # partition is noticed in seconds, not TCP's minutes, while a loop that
 # stalls for a second (a slow disk, a snapshot) does not tear streams down.
-HEARTBEAT_S = 3.0
-STREAM_PATH = "/v1/raft/stream"
 
 
 @dataclass

@@ -31,6 +31,11 @@ STATUS_FOR_CODE: dict[str, int] = {
     "not_implemented": 501,
     "internal": 500,
 }
+# The code of an HTTP status that came without an error body (a proxy, a
+# server too broken to answer in shape): the most general code of that status.
+CODE_FOR_STATUS: dict[int, str] = {400: "bad_request", 401: "unauthorized", 404: "not_found",
+                                   413: "payload_too_large", 501: "not_implemented", 503: "unavailable",
+                                   504: "deadline_exceeded"}
 
 # The `reason` of a worker's 409 `conflict` answer to `POST /v1/assignments`
 # (meta's controller placing a replica on it): why it cannot take one.

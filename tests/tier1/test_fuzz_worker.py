@@ -39,7 +39,8 @@ from worker.codec import MalformedMessage, decode_message, encode_message
 from worker.process import WorkerConfig, WorkerNode
 from tests.support.waiting import until
 from tests.tier1.test_codec import ENTRIES
-from worker.server import CALLS_PATH, WorkerApi
+from shardgrid.common.protocol import CALLS_PATH
+from worker.server import WorkerApi
 from worker.transport import STREAM_PATH
 
 MSGPACK = "application/msgpack"

@@ -8,7 +8,8 @@ import aiohttp
 import structlog
 from aiohttp import WSMsgType, web
 
-from gateway.calls import CALLS_PATH, WorkerCalls
+from gateway.calls import WorkerCalls
+from shardgrid.common.protocol import CALLS_PATH
 from gateway.router import Target
 from shardgrid.common.wire import pack_frames, unpack_frame
 

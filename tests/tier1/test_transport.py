@@ -10,7 +10,8 @@ from aiohttp import WSMsgType, web
 from shardgrid.common.wire import unpack_frame
 from worker import replica_msgs as m
 from worker.codec import decode_message
-from worker.transport import STREAM_PATH, Transport
+from shardgrid.common.protocol import STREAM_PATH
+from worker.transport import Transport
 
 
 def beat(commit: int) -> m.Heartbeat:

@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 from shardgrid.common.wire import pack_frames, packb, unpack_frame
 from worker.group import GroupOverloaded
 from worker.process import WorkerConfig, WorkerNode
-from worker.server import CALLS_PATH, MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
-from worker.transport import STREAM_PATH
+from worker.server import MAX_BATCH_WRITES, MAX_DEADLINE_MS, MAX_WRITE_BYTES, WorkerApi
+from shardgrid.common.protocol import CALLS_PATH, STREAM_PATH
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 

@@ -17,8 +17,8 @@ from shardgrid.common.wire import packb
 from worker import replica_msgs as m
 from worker.codec import encode_message
 from worker.process import WorkerConfig, WorkerNode
-from worker.server import CALLS_PATH, WorkerApi
-from worker.transport import STREAM_PATH
+from worker.server import WorkerApi
+from shardgrid.common.protocol import CALLS_PATH, STREAM_PATH
 from tests.support.waiting import until
 
 KEYS = ClusterKeys(["cluster-s3cret"])

@@ -24,7 +24,7 @@ from shardgrid.common.peerauth import HELLO_HEADER, ClusterKeys, Principal, make
 from shardgrid.common.wire import packb
 from worker import replica_msgs as m
 from worker.codec import encode_message
-from worker.transport import STREAM_PATH
+from shardgrid.common.protocol import STREAM_PATH
 
 
 def _forged(gid: int, rep: dict[str, Any], me: str, src: str, bump: int) -> list[Any]:
