@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.models import output_rows, parse_input, slice_weights
 from shardgrid.common.wire import ApiError
+from tests.support.waiting import until
 from worker.infer import InferenceService
 from worker.plugins import ApplyContext, PluginSettings, load_plugin
 from worker.plugins.layers_model import ModelConfig, encode_layers, generate_layers, rows_to_tensor, run_model, \
@@ -224,7 +225,7 @@ async def test_a_request_whose_budget_is_gone_when_the_thread_gets_to_it_is_refu
     x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
     try:
         slow = asyncio.create_task(svc.infer(1, _SlowPlugin(0.3), 0, 5, x, 1, 5.0))
-        await asyncio.sleep(0.05)  # the slow pass holds the compute thread
+        await until(lambda: svc._running, "the slow pass to hold the compute thread", interval_s=0.005)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(ApiError) as info:
@@ -241,7 +242,7 @@ async def test_close_answers_the_requests_in_a_running_pass() -> None:
     svc, _ = service(max_wait_ms=0.0)
     x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
     task = asyncio.create_task(svc.infer(1, _SlowPlugin(0.5), 0, 5, x, 1, 5.0))
-    await asyncio.sleep(0.1)
+    await until(lambda: svc._running, "the pass to start", interval_s=0.005)
     await svc.close()
     with pytest.raises(ApiError) as info:
         await asyncio.wait_for(task, 1.0)
@@ -257,7 +258,7 @@ async def test_a_worker_holding_its_limit_refuses_at_once(monkeypatch: pytest.Mo
     slow = _SlowPlugin(0.2)
     try:
         held = [asyncio.create_task(svc.infer(1, slow, 0, 5, x, 1, 5.0)) for _ in range(2)]
-        await asyncio.sleep(0.02)
+        await until(lambda: svc._pending == 2, "both requests to be held", interval_s=0.005)
         with pytest.raises(ApiError) as info:
             await svc.infer(1, slow, 0, 5, x, 1, 5.0)
         await asyncio.gather(*held)
