@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 from typing import Any
 
 import pytest
@@ -196,56 +197,66 @@ async def test_the_infer_call_answers_with_its_worker_and_refuses_an_entities_gr
     assert info.value.code == "bad_request" and "holds no model layers" in info.value.message
 
 
-class _SlowWeights:
-    """Stands in for a Weights whose forward pass takes `seconds`."""
+class _HeldWeights:
+    """Stands in for a Weights whose forward pass holds the compute thread until the test releases it."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.version, self.first, self.last, self.d_model = seconds, 1, 0, 5, CFG.d_model
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate, self.version, self.first, self.last, self.d_model = gate, 1, 0, 5, CFG.d_model
 
     def forward(self, x: Any, start: int, end: int) -> Any:
-        import time
-
-        time.sleep(self.seconds)
+        assert self.gate.wait(10), "the test never released the pass"
         return x
 
 
-class _SlowPlugin:
-    def __init__(self, seconds: float) -> None:
-        self.w = _SlowWeights(seconds)
+class _HeldPlugin:
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.w = _HeldWeights(self.gate)
 
     def pending_build(self) -> None:
         return None
 
-    def current(self) -> _SlowWeights:
+    def current(self) -> _HeldWeights:
         return self.w
 
 
 async def test_a_request_whose_budget_is_gone_when_the_thread_gets_to_it_is_refused_not_answered_late() -> None:
     svc, reg = service(max_wait_ms=0.0)
     x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
+    held, other = _HeldPlugin(), plugin()
+    loop = asyncio.get_running_loop()
     try:
-        slow = asyncio.create_task(svc.infer(1, _SlowPlugin(0.3), 0, 5, x, 1, 5.0))
-        await until(lambda: svc._running, "the slow pass to hold the compute thread", interval_s=0.005)
-        loop = asyncio.get_running_loop()
+        await svc.ensure_built(other)  # so the second request reaches the thread's queue, not a build
+        slow = asyncio.create_task(svc.infer(1, held, 0, 5, x, 1, 5.0))
+        await until(lambda: svc._running, "the held pass to take the compute thread", interval_s=0.005)
         t0 = loop.time()
+        late = asyncio.create_task(svc.infer(2, other, 0, 5, x, 1, 0.1))
+        # Its budget runs out while the thread is held; only then is the thread free.
+        await until(lambda: loop.time() - t0 > 0.15, "the second request's budget to run out", interval_s=0.01)
+        assert not late.done()
+        held.gate.set()
         with pytest.raises(ApiError) as info:
-            await svc.infer(2, plugin(), 0, 5, x, 1, 0.1)
-        waited = loop.time() - t0
+            await late
         assert (await slow)["version"] == 1
     finally:
+        held.gate.set()
         await svc.close()
-    assert info.value.code == "over_budget"
-    assert waited < 0.35  # answered when the thread got to it, not computed and sent late
+    assert info.value.code == "over_budget"  # refused when the thread got to it, not computed and sent late
+    assert reg.get_sample_value("shardgrid_worker_infer_batch_requests_count") == 1  # only the held pass ran
 
 
 async def test_close_answers_the_requests_in_a_running_pass() -> None:
     svc, _ = service(max_wait_ms=0.0)
     x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
-    task = asyncio.create_task(svc.infer(1, _SlowPlugin(0.5), 0, 5, x, 1, 5.0))
-    await until(lambda: svc._running, "the pass to start", interval_s=0.005)
-    await svc.close()
-    with pytest.raises(ApiError) as info:
-        await asyncio.wait_for(task, 1.0)
+    held = _HeldPlugin()
+    try:
+        task = asyncio.create_task(svc.infer(1, held, 0, 5, x, 1, 5.0))
+        await until(lambda: svc._running, "the pass to start", interval_s=0.005)
+        await svc.close()
+        with pytest.raises(ApiError) as info:
+            await asyncio.wait_for(task, 1.0)
+    finally:
+        held.gate.set()
     assert info.value.code == "unavailable"
 
 
@@ -255,14 +266,16 @@ async def test_a_worker_holding_its_limit_refuses_at_once(monkeypatch: pytest.Mo
     monkeypatch.setattr(infer_mod, "MAX_PENDING", 2)
     svc, reg = service(max_wait_ms=0.0)
     x = tensor_to_bytes(rows_to_tensor([row(0)], CFG.d_model))
-    slow = _SlowPlugin(0.2)
+    held = _HeldPlugin()
     try:
-        held = [asyncio.create_task(svc.infer(1, slow, 0, 5, x, 1, 5.0)) for _ in range(2)]
+        tasks = [asyncio.create_task(svc.infer(1, held, 0, 5, x, 1, 5.0)) for _ in range(2)]
         await until(lambda: svc._pending == 2, "both requests to be held", interval_s=0.005)
         with pytest.raises(ApiError) as info:
-            await svc.infer(1, slow, 0, 5, x, 1, 5.0)
-        await asyncio.gather(*held)
+            await svc.infer(1, held, 0, 5, x, 1, 5.0)
+        held.gate.set()
+        await asyncio.gather(*tasks)
     finally:
+        held.gate.set()
         await svc.close()
     assert info.value.code == "overloaded" and info.value.status == 503
     assert reg.get_sample_value("shardgrid_worker_infer_refused_total", {"reason": "overloaded"}) == 1
