@@ -49,13 +49,11 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-import aiohttp
-import orjson
 import xxhash
 
 from shardgrid.common.wire import PACK_ERRORS, packb
@@ -63,19 +61,18 @@ from worker import replica_msgs as m
 from worker.codec import decode_entry, encode_entry
 from worker.plugins.base import ApplyContext, BadOp, NotFound, Plugin, PluginError
 from worker.replica import Replica
+from worker.snapshot_fetch import FetchFailed, HttpSnapshotSource, SnapshotSource, SourceBusy, SourceOverran
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
                               prune_snapshots, remove_snapshot, restore_snapshot, snapshot_at, valid_count,
                               valid_digest, write_snapshot)
-from worker.throttle import SNAPSHOT_BUSY
+from worker.storage import OS_STORAGE, Storage
 from worker.transport import Transport
 from worker.wal import Recovered, Wal, WalFailed
 
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
-MAX_MANIFEST_BYTES = 4096  # a snapshot manifest is four fields
 DOWNLOAD_ATTEMPTS = 8  # in a row without a byte received, before a download gives up (and resumes later)
-DOWNLOAD_CHUNK = 1 << 20
 # A source that serves its limit of snapshot downloads answers busy
 # (worker/throttle.py): ask again after this pause, doubled each time up to
 # the maximum, each drawn in its upper half so that waiting learners spread
@@ -144,6 +141,33 @@ class GroupSettings:
     segment_bytes: int = 64 * 1024 * 1024
     max_pending: int = MAX_PENDING
     max_pending_bytes: int = MAX_PENDING_BYTES
+
+
+def _thread_pool(name: str) -> Executor:
+    return ThreadPoolExecutor(1, thread_name_prefix=name)
+
+
+@dataclass(frozen=True)
+class ShellRuntime:
+    """What a shell takes from its surroundings besides its peers' messages.
+
+    A worker uses the defaults: the OS's disk, the monotonic clock, a
+    thread per pool, snapshots downloaded over HTTP from peer workers. The
+    deterministic simulator (tests/support/shell_sim.py) runs the same
+    shell on a simulated disk, a virtual clock, executors that run a job at
+    once, and its own network: every decision the shell makes goes through
+    these, so that a seed replays exactly.
+    """
+
+    storage: Storage = OS_STORAGE  # the WAL, the snapshot archives, the RESYNC marker
+    clock: Callable[[], int] = field(default=lambda: now_ms())  # ms, monotonic: timers, deadlines, leases
+    rng: random.Random = field(default_factory=random.Random)  # jitter only
+    executor: Callable[[str], Executor] = _thread_pool  # a one-worker pool, given its name
+    # The source of snapshot downloads for a shell (None: HTTP from peer workers).
+    snapshots: Callable[["GroupShell"], SnapshotSource] | None = None
+    # Where plugin captures and restores unpack (real files: plugins read and
+    # write directories); None: the group's snapshot directory.
+    scratch: Path | None = None
 
 
 class GroupOverloaded(Exception):
@@ -292,7 +316,13 @@ class GroupCorrupt(Exception):
 
 class GroupShell:
     def __init__(self, node_id: str, gid: int, root: Path, plugin: Plugin, settings: GroupSettings,
-                 transport: Transport, hooks: GroupHooks, log: Any, stats: PassStats | None = None) -> None:
+                 transport: Transport, hooks: GroupHooks, log: Any, stats: PassStats | None = None,
+                 runtime: ShellRuntime | None = None) -> None:
+        rt = runtime if runtime is not None else ShellRuntime()
+        self.runtime = rt
+        self.storage = rt.storage
+        self.now_ms = rt.clock
+        self.rng = rt.rng
         self.node_id = node_id
         self.stats = stats if stats is not None else PassStats()
         self.gid = gid
@@ -303,6 +333,9 @@ class GroupShell:
         self.hooks = hooks
         self.log = log.bind(group=gid)
         self.snap_dir = root / "snapshots"
+        self.scratch = rt.scratch if rt.scratch is not None else self.snap_dir
+        self.snapshots: SnapshotSource = (rt.snapshots(self) if rt.snapshots is not None
+                                          else HttpSnapshotSource(gid, transport, hooks.peer_addr))
         # Told how long each WAL fdatasync took (the worker's histogram).
         self.on_sync: Callable[[float], None] | None = None
         self.wal: Wal | None = None
@@ -330,9 +363,8 @@ class GroupShell:
         self.download: DownloadProgress | None = None  # the snapshot download in flight
         # The thread that writes snapshot passes. Cancelling the loop does not
         # stop a pass it is running, and the WAL must not be closed under it.
-        self._persist_pool: ThreadPoolExecutor | None = None
-        self._writer_pool: ThreadPoolExecutor | None = None  # plugin snapshot writers
-        self._session: aiohttp.ClientSession | None = None
+        self._persist_pool: Executor | None = None
+        self._writer_pool: Executor | None = None  # plugin snapshot writers
         self.failed: str | None = None
         # Failed on an error from the disk (the WAL's, a snapshot's): a cause
         # that may clear, so the worker retries the group in place
@@ -376,15 +408,16 @@ class GroupShell:
     def _open(self) -> None:
         from worker.wal import HardState, WalCorrupt
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        io = self.storage
+        io.mkdir(self.root)
         wal_dir = self.root / "wal"
         marker = self.root / RESYNC_MARKER
         try:
             wal, rec = self._recover_wal(wal_dir)
         except WalCorrupt as exc:
             self.log.error("wal_corrupt_resyncing", error=str(exc))
-            _write_marker(marker, str(exc))
-            Wal.discard(wal_dir)
+            _write_marker(io, marker, str(exc))
+            Wal.discard(wal_dir, storage=io)
             try:
                 wal, rec = self._recover_wal(wal_dir)
             except WalCorrupt as again:
@@ -392,30 +425,34 @@ class GroupShell:
         hs = rec.hard_state
         snapshot = None
         if hs.snap_seq > 0:
-            snap = snapshot_at(self.snap_dir, hs.snap_seq)
+            snap = snapshot_at(self.snap_dir, hs.snap_seq, storage=io)
             try:
                 if snap is None:
                     raise SnapshotCorrupt(f"snapshot {hs.snap_seq} is missing")
-                snapshot = restore_snapshot(snap.path, self.plugin, expect_digest=snap.digest)
+                snapshot = restore_snapshot(snap.path, self.plugin, expect_digest=snap.digest, storage=io,
+                                            scratch=self._scratch())
             except (SnapshotCorrupt, PluginError) as exc:
                 # Start over from nothing but the term; the leader sends a snapshot.
                 self.log.error("snapshot_unusable_resyncing", error=str(exc))
                 wal.close()
-                _write_marker(marker, str(exc))
-                Wal.discard(wal_dir, HardState(term=hs.term))
+                _write_marker(io, marker, str(exc))
+                Wal.discard(wal_dir, HardState(term=hs.term), storage=io)
                 wal, rec = self._recover_wal(wal_dir)
                 hs = rec.hard_state
         self._last_snapshot_seq = hs.snap_seq
-        if self.snap_dir.exists():
-            prune_snapshots(self.snap_dir, hs.snap_seq)
-            # Captures a previous run made and never installed (it died first),
-            # and its unfinished downloads (prune leaves those alone: a running
-            # download must not lose its file; none runs before open).
-            for stray in self.snap_dir.glob(".plugin-*"):
+        if io.exists(self.snap_dir):
+            prune_snapshots(self.snap_dir, hs.snap_seq, storage=io)
+            # Unfinished downloads of a previous run (prune leaves those
+            # alone: a running download must not lose its file; none runs
+            # before open).
+            for name in io.listdir(self.snap_dir):
+                if name.startswith(".download-") and name.endswith(".partial"):
+                    io.unlink(self.snap_dir / name, missing_ok=True)
+        if self.scratch.exists():
+            # Captures a previous run made and never installed (it died first).
+            for stray in self.scratch.glob(".plugin-*"):
                 shutil.rmtree(stray, ignore_errors=True)
-            for stray in self.snap_dir.glob(".download-*.partial"):
-                stray.unlink(missing_ok=True)
-        resync = marker.exists()
+        resync = io.exists(marker)
         stored = m.StoredState(term=hs.term, entries=[decode_entry(e.payload) for e in rec.entries],
                                snapshot=snapshot, commit=hs.commit, resync=resync)
         self.wal = wal
@@ -437,7 +474,7 @@ class GroupShell:
 
     def _recover_wal(self, wal_dir: Path) -> tuple[Wal, Recovered]:
         wal, rec = Wal.recover(wal_dir, fsync=self.settings.fsync,  # type: ignore[arg-type]
-                               segment_bytes=self.settings.segment_bytes)
+                               segment_bytes=self.settings.segment_bytes, storage=self.storage)
         self.wal = wal  # at once: a failed open releases it
         return wal, rec
 
@@ -459,8 +496,7 @@ class GroupShell:
         if self._timer is not None:
             self._timer.cancel()
         self._fail_all("worker shutting down")
-        if self._session is not None:
-            await self._session.close()
+        await self.snapshots.close()
         if self.wal is not None:
             self.wal.close()
         for tmp in self._plugin_snaps.values():
@@ -559,7 +595,7 @@ class GroupShell:
 
     async def read(self, query: Any, consistency: str, min_seq: int, timeout_s: float, size: int = 0) -> Outcome:
         """One read; raises GroupOverloaded (nothing queued) when the group holds its limit of pending calls."""
-        deadline = now_ms() + int(timeout_s * 1000)
+        deadline = self.now_ms() + int(timeout_s * 1000)
         self._admit(1, size)
         try:
             return await self._request(lambda req: m.ClientRead(req, query, consistency, min_seq, deadline),  # type: ignore[arg-type]
@@ -599,31 +635,40 @@ class GroupShell:
                 batch = [await self._queue.get()]
                 while len(batch) < MAX_PASS_EVENTS and not self._queue.empty():
                     batch.append(self._queue.get_nowait())
-                # What stays queued (past MAX_PASS_EVENTS) is timed from now.
-                self._pass_arrived = self._arrived if self._arrived is not None else time.perf_counter()
-                self._arrived = None if self._queue.empty() else time.perf_counter()
-                stats = self.stats
-                stats.passes += 1
-                stats.events += len(batch)
-                now = now_ms()
-                effects: list[m.Effect] = []
-                for ev in batch:
-                    if isinstance(ev, _Restore):
-                        # The plugin must be where the core thinks it is when
-                        # it is replaced: an Apply of an earlier event in this
-                        # pass, performed after the restore, would land on top
-                        # of the snapshot's state (a divergence).
-                        await self._perform(effects)
-                        effects = self._restore_downloaded(ev.snap, now)
-                    else:
-                        effects.extend(self.replica.handle(ev, now))
-                await self._perform(effects)
+                await self.run_pass(batch)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a replica bug or a disk failure: stop this group, loudly
             self.mark_failed(exc)
             self.log.critical("group_failed", error=self.failed, on_disk=self.failed_on_disk, exc_info=True)
             self._fail_all("group failed on this worker")
+
+    async def run_pass(self, batch: list[Any]) -> None:
+        """One pass of the group loop: `batch` (the events queued since the
+        last pass) through the core, then its effects performed in the
+        durability contract's order (`_perform`). The loop awaits only what
+        the contract needs: the early sends' yield and a snapshot pass's
+        thread."""
+        assert self.replica is not None
+        # What stays queued (past MAX_PASS_EVENTS) is timed from now.
+        self._pass_arrived = self._arrived if self._arrived is not None else time.perf_counter()
+        self._arrived = None if self._queue.empty() else time.perf_counter()
+        stats = self.stats
+        stats.passes += 1
+        stats.events += len(batch)
+        now = self.now_ms()
+        effects: list[m.Effect] = []
+        for ev in batch:
+            if isinstance(ev, _Restore):
+                # The plugin must be where the core thinks it is when it is
+                # replaced: an Apply of an earlier event in this pass,
+                # performed after the restore, would land on top of the
+                # snapshot's state (a divergence).
+                await self._perform(effects)
+                effects = self._restore_downloaded(ev.snap, now)
+            else:
+                effects.extend(self.replica.handle(ev, now))
+        await self._perform(effects)
 
     def mark_failed(self, exc: BaseException) -> None:
         """Stop serving: this group answers `unavailable` and reports `failed` from now on."""
@@ -658,14 +703,14 @@ class GroupShell:
             self.persist.observe((time.perf_counter() - self._pass_arrived) * 1000)
         if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
             # What the core re-synced on is durable now (persisted above).
-            self._resync_marker.unlink(missing_ok=True)
+            self.storage.unlink(self._resync_marker, missing_ok=True)
             self._resync_marker = None
             self.log.info("resync_complete", last_seq=self.replica.last_seq)
         self._perform_in_order(effects[first:])
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> Executor:
         if self._persist_pool is None:
-            self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-persist")
+            self._persist_pool = self.runtime.executor(f"group-{self.gid}-persist")
         return self._persist_pool
 
     def _perform_in_order(self, effects: list[m.Effect]) -> None:
@@ -736,9 +781,9 @@ class GroupShell:
             # the archive too if the core's meta then is this one.
             archived = self._plugin_writes.pop(meta.seq).result()
             if archived is None or (archived is not meta and archived != meta):
-                write_snapshot(self.snap_dir, meta, tmp)
+                write_snapshot(self.snap_dir, meta, tmp, storage=self.storage)
             shutil.rmtree(tmp, ignore_errors=True)
-        elif snapshot_at(self.snap_dir, meta.seq) is None:
+        elif snapshot_at(self.snap_dir, meta.seq, storage=self.storage) is None:
             raise RuntimeError(f"core installed snapshot {meta.seq} but no archive exists for it")
         # Captures below a snapshot installed from the leader are superseded.
         # This runs on the persist thread while the loop may drop a failed
@@ -756,7 +801,7 @@ class GroupShell:
             wal.compact_through(meta.seq)
         else:
             wal.reset(meta.term, meta.seq)
-        prune_snapshots(self.snap_dir, meta.seq)
+        prune_snapshots(self.snap_dir, meta.seq, storage=self.storage)
         self._last_snapshot_seq = max(self._last_snapshot_seq, meta.seq)
 
     # -- applying ------------------------------------------------------------------------------
@@ -798,13 +843,12 @@ class GroupShell:
         if self._plugin_writes:
             self.log.info("snapshot_skipped", seq=seq, writing=sorted(self._plugin_writes))
             return
-        self.snap_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.snap_dir, prefix=f".plugin-{seq}-"))
+        tmp = Path(tempfile.mkdtemp(dir=self._scratch(), prefix=f".plugin-{seq}-"))
         writer = self.plugin.capture()
         self._plugin_snaps[seq] = tmp
         if self._writer_pool is None:
-            self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix=f"group-{self.gid}-snapshot")
-        written = self._writer_pool.submit(_write_capture, writer, tmp, self.snap_dir, meta)
+            self._writer_pool = self.runtime.executor(f"group-{self.gid}-snapshot")
+        written = self._writer_pool.submit(_write_capture, writer, tmp, self.snap_dir, meta, self.storage)
         self._plugin_writes[seq] = written
         loop = asyncio.get_running_loop()
         written.add_done_callback(lambda f: loop.call_soon_threadsafe(self._plugin_written, seq, f))
@@ -935,7 +979,7 @@ class GroupShell:
         if view is None:
             return
         self.deliver(view)
-        now = time.monotonic()
+        now = self.now_ms() / 1000
         last = self._unpublished_logged_at
         if view.term < term and (last is None or now - last >= UNPUBLISHED_LOG_S):
             # Meta (or the meta node asked) is behind the sender, or the
@@ -948,7 +992,7 @@ class GroupShell:
     def _set_timer(self, at: int) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        delay = max(0.0, (at - now_ms()) / 1000)
+        delay = max(0.0, (at - self.now_ms()) / 1000)
         self._timer = asyncio.get_running_loop().call_later(delay, self.deliver, m.Tick())
 
     # -- snapshot download ---------------------------------------------------------------------------
@@ -961,7 +1005,7 @@ class GroupShell:
     async def _download_snapshot(self, d: m.DownloadSnapshot) -> None:
         """Fetch the snapshot `d` names, exactly: the (term, seq), size and
         digest its source published in the replication message
-        (SnapshotNeeded). The manifest and the HTTP answers are only
+        (SnapshotNeeded). The manifest and the source's answers are only
         transport; what they claim is checked against that, never trusted.
         Any refusal ends this try, nothing installed: the core asks again
         (snapshot_retry_ms), from whichever replica then sends the request."""
@@ -972,19 +1016,11 @@ class GroupShell:
                              why="the request carries no valid (term, seq, size, digest) to check a download against")
             return
         term, seq, size, digest = published
-        addr = self.hooks.peer_addr(d.source)
-        if addr is None:
-            return
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=self.transport.connector(),
-                                                  middlewares=self.transport.middlewares)
-        base = f"{self.transport.scheme}://{addr}/v1/groups/{self.gid}/snapshot"
+        partial = self.snap_dir / f".download-{seq}-{term}.partial"
         try:
-            async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status != 200:
-                    self.log.warning("snapshot_manifest_failed", source=d.source, status=resp.status)
-                    return
-                man = orjson.loads(await _read_bounded(resp, MAX_MANIFEST_BYTES))
+            man = await self.snapshots.manifest(d.source)
+            if man is None:
+                return
             if not isinstance(man, dict) or (man.get("term"), man.get("seq"), man.get("size"),
                                              man.get("digest")) != published:
                 # Another snapshot by now (the source took a newer one; the
@@ -993,43 +1029,44 @@ class GroupShell:
                 self.log.warning("snapshot_manifest_mismatch", source=d.source, published=list(published),
                                  manifest=str(man)[:200])
                 return
-            self.snap_dir.mkdir(parents=True, exist_ok=True)
-            partial = self.snap_dir / f".download-{seq}-{term}.partial"
-            for stale in self.snap_dir.glob(".download-*.partial"):
-                if stale != partial:  # an earlier snapshot's, broken off: this one supersedes it
-                    stale.unlink(missing_ok=True)
-            started = time.monotonic()
-            have = partial.stat().st_size if partial.exists() else 0
+            io = self.storage
+            io.mkdir(self.snap_dir)
+            for name in io.listdir(self.snap_dir):
+                if name.startswith(".download-") and name.endswith(".partial") and name != partial.name:
+                    # An earlier snapshot's, broken off: this one supersedes it.
+                    io.unlink(self.snap_dir / name, missing_ok=True)
+            started = self.now_ms()
+            have = io.size(partial) if io.exists(partial) else 0
             if have > size:
-                partial.unlink()  # not this snapshot's bytes, whatever they are
+                io.unlink(partial)  # not this snapshot's bytes, whatever they are
                 have = 0
             progress = self.download = DownloadProgress(have, size)
-            if not await self._fetch(f"{base}/{seq}", d.source, partial, progress):
+            if not await self._fetch(d.source, seq, partial, progress):
                 return  # the partial stays: the core asks again, and the next download resumes it
-            got = await asyncio.to_thread(file_digest, partial)
+            got = await asyncio.to_thread(file_digest, partial, storage=io)
             if got != digest:
-                partial.unlink(missing_ok=True)
+                io.unlink(partial, missing_ok=True)
                 self.snapshot_refused += 1
                 self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq, published=digest, got=got)
                 return
-            snap = install_downloaded(self.snap_dir, partial, term, seq, digest)
+            snap = install_downloaded(self.snap_dir, partial, term, seq, digest, storage=io)
             self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
-                          seconds=round(time.monotonic() - started, 3), busy_waits=progress.busy_waits)
+                          seconds=round((self.now_ms() - started) / 1000, 3), busy_waits=progress.busy_waits)
             self.deliver(_Restore(snap))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (FetchFailed, OSError) as exc:
             self.log.warning("snapshot_download_failed", source=d.source, error=f"{type(exc).__name__}: {exc}")
         except ValueError as exc:  # orjson.JSONDecodeError too: a manifest too large or not JSON
             self.snapshot_refused += 1
             self.log.warning("snapshot_manifest_unusable", source=d.source, error=f"{type(exc).__name__}: {exc}")
         except SourceOverran as exc:
             # Not the published bytes, whatever they are: start over next time.
-            partial.unlink(missing_ok=True)
+            self.storage.unlink(partial, missing_ok=True)
             self.snapshot_refused += 1
             self.log.warning("snapshot_download_refused", source=d.source, seq=seq, error=str(exc))
         finally:
             self.download = None
 
-    async def _fetch(self, url: str, source: str, partial: Path, progress: DownloadProgress) -> bool:
+    async def _fetch(self, source: str, seq: int, partial: Path, progress: DownloadProgress) -> bool:
         """Bring `partial` up to `progress.total` bytes with range requests; True once it has them all.
 
         A failed attempt resumes from what arrived (DOWNLOAD_ATTEMPTS in a
@@ -1038,53 +1075,47 @@ class GroupShell:
         asked again with a growing, jittered pause, for up to BUSY_WAIT_S in
         a row.
         """
-        assert self._session is not None
+        io = self.storage
         failures = 0
         busy_pause = BUSY_PAUSE_S
-        busy_until = time.monotonic() + BUSY_WAIT_S
+        busy_until = self.now_ms() / 1000 + BUSY_WAIT_S
         while progress.received < progress.total:
             have = progress.received
             try:
-                async with self._session.get(url, headers={"Range": f"bytes={have}-"},
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_read=10)) as resp:
-                    if resp.status == 503 and await _busy(resp):
-                        progress.waiting = True
-                        progress.busy_waits += 1
-                        if time.monotonic() + busy_pause > busy_until:
-                            self.log.info("snapshot_source_busy_giving_up", source=source, have=have,
-                                          waits=progress.busy_waits)
-                            return False
-                        await asyncio.sleep(busy_pause * random.uniform(0.5, 1.0))
-                        busy_pause = min(busy_pause * 2, BUSY_PAUSE_MAX_S)
-                        continue
-                    if resp.status not in (200, 206):
-                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                    if resp.status == 206 and not _range_starts_at(resp.headers.get("Content-Range"), have,
-                                                                   progress.total):
-                        raise SourceOverran(f"asked for bytes {have}- of {progress.total}, got "
-                                            f"{str(resp.headers.get('Content-Range'))[:80]!r}")
+                async with self.snapshots.fetch(source, seq, have, progress.total) as body:
                     progress.waiting = False
-                    busy_pause, busy_until = BUSY_PAUSE_S, time.monotonic() + BUSY_WAIT_S
-                    if resp.status == 200:
+                    busy_pause, busy_until = BUSY_PAUSE_S, self.now_ms() / 1000 + BUSY_WAIT_S
+                    if body.start == 0:
                         progress.received = 0  # the whole file, from its start
-                    with open(partial, "ab" if resp.status == 206 else "wb") as out:
-                        async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                    fd = io.open(partial, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if body.start else os.O_TRUNC))
+                    try:
+                        async for chunk in body.chunks:
                             # Never past the published size: a source that
                             # sends more is refused, not written to disk.
                             if progress.received + len(chunk) > progress.total:
                                 raise SourceOverran(f"sent more than the published {progress.total} bytes")
-                            out.write(chunk)
+                            io.write(fd, chunk)
                             progress.received += len(chunk)
+                    finally:
+                        io.close(fd)
                     if progress.received < progress.total:
                         # An answer that ends short without an error is an
                         # interruption too: asked again at once, it would
                         # spin for as long as the source keeps doing it.
-                        raise aiohttp.ClientPayloadError(f"the answer ended at byte {progress.received} "
-                                                         f"of {progress.total}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                        raise FetchFailed(f"the answer ended at byte {progress.received} of {progress.total}")
+            except SourceBusy:
+                progress.waiting = True
+                progress.busy_waits += 1
+                if self.now_ms() / 1000 + busy_pause > busy_until:
+                    self.log.info("snapshot_source_busy_giving_up", source=source, have=have,
+                                  waits=progress.busy_waits)
+                    return False
+                await asyncio.sleep(busy_pause * self.rng.uniform(0.5, 1.0))
+                busy_pause = min(busy_pause * 2, BUSY_PAUSE_MAX_S)
+            except (FetchFailed, OSError) as exc:
                 failures = 0 if progress.received > have else failures + 1
                 self.log.warning("snapshot_download_interrupted", source=source, attempt=failures, have=have,
-                                 error=type(exc).__name__)
+                                 error=f"{type(exc).__name__}: {exc}"[:200])
                 if failures >= DOWNLOAD_ATTEMPTS:
                     return False
                 await asyncio.sleep(0.2 * failures)
@@ -1095,7 +1126,7 @@ class GroupShell:
         what the receiver checks its download against. Without an archive
         there (none can be: the core installs a snapshot point only once its
         archive is durable) it goes as it is, and the receiver downloads nothing."""
-        snap = snapshot_at(self.snap_dir, msg.snap_seq)
+        snap = snapshot_at(self.snap_dir, msg.snap_seq, storage=self.storage)
         if snap is None or snap.term != msg.snap_term or not valid_digest(snap.digest):
             self.log.warning("snapshot_not_published", seq=msg.snap_seq, term=msg.snap_term, to=msg.dst)
             return msg
@@ -1106,19 +1137,24 @@ class GroupShell:
         if not self.replica.accepts_snapshot(snap.seq):
             return []
         try:
-            meta = restore_snapshot(snap.path, self.plugin, expect_point=(snap.term, snap.seq))
+            meta = restore_snapshot(snap.path, self.plugin, expect_point=(snap.term, snap.seq), storage=self.storage,
+                                    scratch=self._scratch())
         except SnapshotCorrupt as exc:
             # Checked before the plugin is touched: this replica is as it was.
             # Only the archive goes; the core asks for a snapshot again.
             self.snapshot_refused += 1
             self.log.error("snapshot_download_unusable", seq=snap.seq, error=str(exc))
-            remove_snapshot(snap)
+            remove_snapshot(snap, storage=self.storage)
             return []
         self._last_snapshot_seq = meta.seq
         return self.replica.handle(m.SnapshotInstalled(meta), now)
 
     def latest_snapshot(self) -> SnapshotFile | None:
-        return latest_snapshot(self.snap_dir)
+        return latest_snapshot(self.snap_dir, storage=self.storage)
+
+    def _scratch(self) -> Path:
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        return self.scratch
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -1127,7 +1163,7 @@ class GroupShell:
         if r is None:
             # Not opened: a failure to open it (the disk) is a failed replica to meta too.
             return {"state": "closed"} if self.failed is None else {"state": "failed", "failed": self.failed}
-        now = now_ms()
+        now = self.now_ms()
         heard, lost = r.leader_heard_at, r.quorum_lost_at
         dl = self.download
         return {
@@ -1154,11 +1190,6 @@ class GroupShell:
         }
 
 
-class SourceOverran(Exception):
-    """A snapshot source sent other bytes than those asked for (past the
-    published size, or from another offset)."""
-
-
 def _published(d: m.DownloadSnapshot) -> tuple[int, int, int, str] | None:
     """(term, seq, size, digest) of the snapshot `d` asks for, as its
     source published them, if every one is there and well-formed."""
@@ -1168,40 +1199,8 @@ def _published(d: m.DownloadSnapshot) -> tuple[int, int, int, str] | None:
     return d.snap_term, d.seq, d.size, d.digest  # type: ignore[return-value]
 
 
-async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body of `resp`, or ValueError once it is past `limit` bytes (read no further)."""
-    if resp.content_length is not None and resp.content_length > limit:
-        raise ValueError(f"a body of {resp.content_length} bytes, over {limit}")
-    buf = bytearray()
-    async for chunk in resp.content.iter_chunked(limit + 1):
-        buf += chunk
-        if len(buf) > limit:
-            raise ValueError(f"a body over {limit} bytes")
-    return bytes(buf)
-
-
-def _range_starts_at(header: str | None, start: int, total: int) -> bool:
-    """Does a 206's `Content-Range: bytes START-END/TOTAL` start where asked, within the published size?"""
-    if header is None or not header.startswith("bytes "):
-        return False
-    span, _, whole = header[6:].partition("/")
-    first, _, last = span.partition("-")
-    return first.isdigit() and last.isdigit() and int(first) == start and int(last) < total \
-        and (whole == "*" or (whole.isdigit() and int(whole) == total))
-
-
-async def _busy(resp: aiohttp.ClientResponse) -> bool:
-    """Is this 503 the source's "serving its limit of snapshot downloads" (worker/server.py)?"""
-    try:
-        body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, ValueError):
-        return False
-    err = body.get("error") if isinstance(body, dict) else None
-    return isinstance(err, dict) and err.get("reason") == SNAPSHOT_BUSY
-
-
 def _write_capture(writer: Callable[[Path], None], tmp: Path, snap_dir: Path,
-                   meta: m.SnapshotMeta | None) -> m.SnapshotMeta | None:
+                   meta: m.SnapshotMeta | None, storage: Storage) -> m.SnapshotMeta | None:
     """On the snapshot thread: the plugin's files into `tmp`, then, given the
     core's meta, the archive of both (durable, not yet the WAL's snapshot
     point); the meta archived, if any. `tmp` stays until the install, which
@@ -1209,15 +1208,20 @@ def _write_capture(writer: Callable[[Path], None], tmp: Path, snap_dir: Path,
     writer(tmp)
     if meta is None:
         return None
-    write_snapshot(snap_dir, meta, tmp)
+    write_snapshot(snap_dir, meta, tmp, storage=storage)
     return meta
 
 
-def _write_marker(path: Path, why: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(why + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+def _write_marker(io: Storage, path: Path, why: str) -> None:
+    # Before anything is deleted, and durable: its name too (the directory's
+    # fsync), or a power loss could leave the log discarded and no marker.
+    fd = io.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        io.write(fd, (why + "\n").encode())
+        io.fsync(fd)
+    finally:
+        io.close(fd)
+    io.fsync_dir(path.parent)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meta.controller import ISOLATION_HOLD_LEASES, isolation_evidence
+from tests.support.sim_checks import CommittedLog, SimViolation
 from worker.replica import Replica
 from worker.replica_msgs import (
     Append,
@@ -147,10 +148,6 @@ def early_append_end(out: list[Any]) -> int | None:
         if t is Send and type(eff.msg) is Append:
             sent = True
     return None
-
-
-class SimViolation(AssertionError):
-    pass
 
 
 def leads(r: Replica) -> bool:
@@ -452,15 +449,15 @@ class Sim:
         self.m_changed_at = 0
         self.m_views: list[MetaView] = []
         # checker state
-        self.C: list[int] = [0]  # committed prefix hashes, C[seq]
-        self.C_rid: list[tuple[str, ...]] = [()]
+        # The committed log (keys: prefix hashes, C[seq]) and the clients'
+        # acknowledgements, checked as the shell simulator checks them.
+        self.commits = CommittedLog(self.fail, origin=0)
         self.answered: set[tuple[str, Any]] = set()  # (node, req) of every write reply
         self.C_term: list[int] = [0]
         # An upper bound on the term each committed entry was committed in: the
         # term of the replica that applied it first (it learned the commit from
         # a leader of that term or an earlier one).
         self.C_by: list[int] = [0]
-        self.rid_seq: dict[str, int] = {}
         self.known: dict[tuple[int, int], int] = {}
         self.leader_of: dict[int, str] = {}
         self.max_acked = 0
@@ -468,7 +465,6 @@ class Sim:
         self.writes: dict[int, WriteOp] = {}
         self.reads: dict[int, ReadOp] = {}
         self.next_id = 0
-        self.acked: dict[str, int] = {}
         self.acked_ops: list[WriteOp] = []  # quorum/all writes in the order they were acknowledged
         self.resends: set[tuple[int, int]] = set()  # (write, attempt) of each lost-response re-send
         self.stats: Counter[str] = Counter()  # what a run exercised
@@ -704,9 +700,9 @@ class Sim:
         """The shadow log of a replica that is down is its durable log."""
         d = node.disk
         snap = d.snapshot.seq if d.snapshot else 0
-        if snap >= len(self.C):
+        if snap >= len(self.commits.keys):
             self.fail(f"{node.name} has an uncommitted snapshot at {snap}")
-        h = self.C[: snap + 1]
+        h = self.commits.keys[: snap + 1]
         for e in d.entries:
             h.append(entry_hash(h[-1], e))
         node.h = h
@@ -722,16 +718,16 @@ class Sim:
         h = node.h
         if p.snapshot is not None:
             s = p.snapshot.seq
-            if s >= len(self.C) or p.snapshot.term != self.C_term[s]:
+            if s >= len(self.commits.keys) or p.snapshot.term != self.C_term[s]:
                 self.fail(f"{node.name} installs snapshot {s} that is not committed")
-            if not (s < len(h) and h[s] == self.C[s]):
+            if not (s < len(h) and h[s] == self.commits.keys[s]):
                 if p.truncate_after != s:
                     self.fail(f"{node.name} keeps a log that contradicts snapshot {s}")
-                h[:] = self.C[: s + 1]
+                h[:] = self.commits.keys[: s + 1]
         if p.truncate_after is not None:
             t = p.truncate_after
             if t + 1 < len(h):
-                if t + 1 < len(self.C) and h[t + 1] == self.C[t + 1]:
+                if t + 1 < len(self.commits.keys) and h[t + 1] == self.commits.keys[t + 1]:
                     self.fail(f"{node.name} truncates committed seq {t + 1}")
                 del h[t + 1 :]
         known = self.known
@@ -745,7 +741,7 @@ class Sim:
                     # must already hold everything committed (leader
                     # completeness, checked before the leader is even ready).
                     top = self.committed_before(e.term)
-                    if top >= len(h) or h[top] != self.C[top]:
+                    if top >= len(h) or h[top] != self.commits.keys[top]:
                         self.fail(f"leader completeness: {node.name} adopted a log without committed seq {top}")
             x = entry_hash(h[-1], e)
             k = (e.term, e.seq)
@@ -773,34 +769,23 @@ class Sim:
                 self.fail(f"{node.name} applied_seq {r.applied_seq} but Apply effects say {node.applied}")
             node.applied = snap
         c = r.commit_seq
-        if c < len(self.C) and c < len(node.h) and node.h[c] != self.C[c]:
+        if c < len(self.commits.keys) and c < len(node.h) and node.h[c] != self.commits.keys[c]:
             self.fail(f"{node.name} believes seq {c} committed but it differs from the committed log")
 
     def on_apply(self, node: Node, entries: tuple[Entry, ...]) -> None:
         h = node.h
-        C = self.C
+        C = self.commits.keys
         grew = len(C)
         for e in entries:
             s = e.seq
-            if s != node.applied + 1:
-                self.fail(f"{node.name} applies {s} after {node.applied}")
+            self.commits.in_order(node.name, s, node.applied)
             if s >= len(h) or entry_hash(h[s - 1], e) != h[s]:
                 self.fail(f"{node.name} applies an entry that is not in its log at {s}")
-            if s < len(C):
-                if C[s] != h[s]:
-                    self.fail(f"state machine safety: {node.name} applies a different entry at {s}")
-            else:
-                C.append(h[s])
+            if self.commits.applied(node.name, s, h[s], entry_rids(e)):
                 self.C_term.append(e.term)
                 self.C_by.append(node.replica.term if node.replica is not None else e.term)
-                rids = entry_rids(e)
-                self.C_rid.append(rids)
                 if e.kind == "ops":
                     self.stats["ops_entries_committed"] += 1
-                for rid in rids:
-                    if rid in self.rid_seq:
-                        self.fail(f"exactly-once: rid {rid} committed twice: {self.rid_seq[rid]} and {s}")
-                    self.rid_seq[rid] = s
                 if e.kind == "config":
                     self.meta_record_config(e)
             node.applied = s
@@ -827,8 +812,8 @@ class Sim:
         next Begin round, the log it adopts (greatest last (term, seq))
         holds everything committed.  Checked when the committed log grows,
         so an unsafe commit is caught before anybody overwrites it."""
-        top = len(self.C) - 1
-        want = self.C[top]
+        top = len(self.commits.keys) - 1
+        want = self.commits.keys[top]
         voters = self.m_voters
         # A re-syncing replica answers no Begin, so it is in no promising majority.
         able = [v for v in voters if not self.resyncing(v)]
@@ -851,23 +836,21 @@ class Sim:
         from meta's view, so a deposed leader may finish its Begin round on
         late answers. It can commit and read nothing: the replicas of the
         later term refuse its term.)"""
-        top = len(self.C) - 1
+        top = len(self.commits.keys) - 1
         while top > 0 and self.C_by[top] >= term:
             top -= 1
         return top
 
     def on_ready(self, node: Node, r: Replica, term: int) -> None:
         top = self.committed_before(term)
-        if top >= len(node.h) or node.h[top] != self.C[top]:
+        if top >= len(node.h) or node.h[top] != self.commits.keys[top]:
             self.fail(f"leader completeness: {node.name} ready in term {term} without committed seq {top}")
         self.log(f"READY {node.name} term {term}")
 
     def final_checks(self) -> None:
-        for rid, seq in self.acked.items():
-            if self.rid_seq.get(rid) != seq:
-                self.fail(f"acknowledged write {rid}@{seq} is not in the committed log")
+        self.commits.final_checks()
         for w in self.writes.values():
-            if w.done and w.ack != "leader" and w.rid not in self.acked:
+            if w.done and w.ack != "leader" and w.rid not in self.commits.acked:
                 self.fail(f"write {w.rid} done but not recorded")
 
     # ------------------------------------------------------------------
@@ -1169,15 +1152,8 @@ class Sim:
         if rep.ok:
             if w.ack != "leader":
                 s = rep.seq
-                if s >= len(self.C) or w.rid not in self.C_rid[s]:
-                    self.fail(f"{node.name} acknowledged {w.rid}@{s} which is not committed there")
-                if rep.idx is not None and (rep.idx >= len(self.C_rid[s]) or self.C_rid[s][rep.idx] != w.rid):
-                    self.fail(f"{node.name} acknowledged {w.rid}@{s} at position {rep.idx}, "
-                              f"where the entry holds {self.C_rid[s]}")
-                prev = self.acked.setdefault(w.rid, s)
-                if prev != s:
-                    self.fail(f"exactly-once: {w.rid} acknowledged at {prev} and at {s}")
-                if prev == s and not w.done:
+                self.commits.acknowledged(node.name, w.rid, s, rep.idx)
+                if not w.done:
                     self.acked_ops.append(w)
                 if (w.id, rep.req[2]) in self.resends:
                     self.stats["resent_answered_from_log"] += 1

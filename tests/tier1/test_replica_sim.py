@@ -41,7 +41,7 @@ def test_runs_exercise_the_protocol() -> None:
         sim = run_seed(seed)
         for k, v in sim.stats.items():
             total[k] = total.get(k, 0) + v
-        total["acked"] = total.get("acked", 0) + len(sim.acked)
+        total["acked"] = total.get("acked", 0) + len(sim.commits.acked)
     for what in (
         "acked",
         "write_ok_quorum",

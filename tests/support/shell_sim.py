@@ -1,0 +1,772 @@
+"""Deterministic simulation of whole shard groups of real `GroupShell`s.
+
+The core simulator (tests/tier1/replica_sim.py) proves the replication
+algorithm; this one runs the code that keeps its durability promise: the
+group loop's effect ordering and group commit (worker/group.py), the WAL
+(worker/wal.py), snapshot archives, installs and downloads
+(worker/snapshots.py), each replica on its own simulated disk
+(tests/support/sim_storage.py), all on one virtual-time event loop
+(tests/support/sim_loop.py) driven by one `random.Random(seed)`.
+
+What is modelled
+----------------
+* disks: unsynced writes lost, torn, or kept block by block (holes) on a
+  power loss, names lost without a directory fsync, fsync failures with
+  Linux's semantics (the pages are gone), and bytes flipped in a synced
+  WAL record while its replica is down;
+* crashes anywhere: a node's disk may kill it at its k-th mutating call
+  (in the middle of a WAL append, a segment roll, a hard-state write, a
+  snapshot archive or install, a download), or the nemesis kills it
+  between two events; either way as a process crash (the page cache
+  survives) or a power loss, and now and then the whole room loses power;
+* a group that failed on its disk is reopened in place the way the worker
+  does it (worker/retry.py: every file synced and its cache dropped);
+* network: delay (so reordering), loss, duplication, one-way and two-way
+  cuts; every message goes through the wire codec; messages a node sent
+  before it died are still delivered;
+* snapshot downloads from a peer's archive on its simulated disk, with
+  answers cut short, a source that is busy, and one that flips a byte;
+* meta: a term and leader changed only by compare-and-set, failover to a
+  live voter (the most up-to-date one, or any), views delayed and lost;
+* clients: unique writes with request ids, acknowledged at quorum or all,
+  retried with the same rid after a timeout or a not_leader.
+
+Invariants (tests/support/sim_checks.py, plus what only this simulator sees)
+---------------------------------------------------------------------------
+* state machine safety, in-order application, exactly-once, and no
+  acknowledged write lost (at acknowledgement and at the end);
+* WAL recovery: a WAL record damaged after it was synced is reported (the
+  replica re-syncs), never skipped;
+* a replica never stops on anything but its disk (a failed group that did
+  not fail on an OSError is a bug);
+* at the end, with every fault healed, the group converges and every
+  replica holds the same items: each acknowledged write, nothing else
+  that was not committed.
+
+`SHARDGRID_SIM_PLANT=NAME` (or `plant=`) runs a known bug instead (see
+PLANTS); the simulator must catch it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import structlog
+
+from tests.support.sim_checks import CommittedLog, SimViolation
+from tests.support.sim_loop import InlineExecutor, VirtualTimeLoop
+from tests.support.sim_storage import SimCrash, SimStorage
+from worker import replica_msgs as m
+from worker.codec import decode_message, encode_message
+from worker.group import GroupSettings, GroupShell, ShellRuntime
+from worker.plugins.base import NotFound, load_plugin
+from worker.snapshot_fetch import FetchFailed, RangeBody, SourceBusy
+from worker.wal import _HEADER, HEADER_BYTES  # the sim walks records to damage one
+
+GROUP = 0
+ROOT = Path("/sim")
+PLANTS = ("early-ack", "ignore-fsync-error", "skip-corrupt", "unverified-snapshot")
+REPLAY_HINT = "SHARDGRID_SIM_SEED={seed}{plant} make sim"
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Params:
+    nodes: int
+    chaos_ms: int
+    writes_per_s: int
+    ack_all: float  # share of writes acknowledged only once every voter has them
+    delay_ms: tuple[int, int]
+    loss: float
+    dup: float
+    crash_every_ms: int  # mean time between nemesis strikes
+    power_share: float  # of crashes, how many lose the machine's power (else: the process dies)
+    outage_share: float  # of strikes, how many take the power of every node at once
+    midop: float  # chance per incarnation that its disk kills it at a mutating call
+    midop_within: int  # ... at one of the next this many calls
+    fsync_fail: float  # chance per fsync
+    corrupt: float  # chance per restart that a synced WAL record was damaged while down
+    partition: float  # of strikes, how many cut links instead
+    snapshot_every: int
+    segment_bytes: int
+    download_cut: float
+    download_busy: float
+    download_flip: float
+    power_modes: tuple[str, ...]
+
+
+def draw_params(rng: random.Random) -> Params:
+    return Params(
+        nodes=rng.choice((3, 3, 3, 5)),
+        chaos_ms=rng.randint(2500, 5000),
+        writes_per_s=rng.choice((40, 80, 160)),
+        ack_all=rng.choice((0.0, 0.2)),
+        delay_ms=(1, rng.choice((3, 8, 20))),
+        loss=rng.choice((0.0, 0.01, 0.05)),
+        dup=rng.choice((0.0, 0.02)),
+        crash_every_ms=rng.choice((150, 300, 600)),
+        power_share=rng.choice((0.3, 0.6, 0.9)),
+        outage_share=rng.choice((0.05, 0.15)),
+        midop=rng.choice((0.2, 0.5, 0.8)),
+        midop_within=rng.choice((20, 100, 400)),
+        fsync_fail=rng.choice((0.0, 0.002, 0.01)),
+        corrupt=rng.choice((0.0, 0.1, 0.3)),
+        partition=rng.choice((0.1, 0.3)),
+        snapshot_every=rng.choice((8, 20, 60)),
+        segment_bytes=rng.choice((1024, 4096, 1 << 16)),
+        download_cut=rng.choice((0.0, 0.2)),
+        download_busy=rng.choice((0.0, 0.2)),
+        download_flip=rng.choice((0.0, 0.1, 0.3)),
+        power_modes=rng.choice((("lose",), ("prefix",), ("reorder",), ("lose", "prefix", "reorder"))),
+    )
+
+
+# ----------------------------------------------------------------------------- the node
+
+
+@dataclass
+class SimNode:
+    name: str
+    storage: SimStorage
+    scratch: Path
+    shell: SimShell | None = None
+    up: bool = False
+    inc: int = 0
+    applied: int = 0  # the last seq this incarnation applied (or restored)
+    damaged: tuple[str, int] | None = None  # (segment, offset) flipped while down: recovery must report it
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+class SimShell(GroupShell):
+    """The real shell; the simulator only watches what it applies."""
+
+    sim: ShellSim
+    node: SimNode
+
+    def _apply(self, entries: tuple[m.Entry, ...]) -> None:
+        self.sim.on_apply(self.node, entries)
+        super()._apply(entries)
+
+
+class _Hooks:
+    def __init__(self, sim: ShellSim, node: SimNode) -> None:
+        self.sim = sim
+        self.node = node
+
+    def peer_addr(self, worker_id: str) -> str | None:
+        return worker_id if worker_id in self.sim.nodes else None
+
+    def report_ready(self, group: int, term: int) -> None:
+        self.sim.on_ready(self.node, term)
+
+    def transfer_ready(self, group: int, target: str, term: int) -> None:
+        pass  # the simulator asks for no transfers
+
+    def report_quorum(self, group: int, term: int, ok: bool) -> None:
+        pass
+
+    async def meta_view(self, group: int) -> m.MetaView | None:
+        await asyncio.sleep(self.sim.rng.randint(1, 20) / 1000)
+        return self.sim.view() if self.node.up else None
+
+
+class _Transport:
+    """The shell's only use of its transport: send. The simulator's network carries it."""
+
+    def __init__(self, sim: ShellSim, node: SimNode) -> None:
+        self.sim = sim
+        self.node = node
+
+    def send(self, msg: m.Message) -> None:
+        self.sim.net_send(self.node, msg)
+
+
+class _Snapshots:
+    """Downloads from a peer's archive on its simulated disk, over a network
+    that cuts answers short, finds the source busy, or flips a byte."""
+
+    CHUNK = 2048
+
+    def __init__(self, sim: ShellSim, node: SimNode) -> None:
+        self.sim = sim
+        self.node = node
+
+    async def manifest(self, source: str) -> Any:
+        src = self.sim.nodes.get(source)
+        await asyncio.sleep(self.sim.rng.randint(1, 10) / 1000)
+        if src is None or not src.up or src.shell is None or self.sim.cut_between(source, self.node.name):
+            raise FetchFailed(f"{source} unreachable")
+        snap = src.shell.latest_snapshot()
+        if snap is None:
+            raise FetchFailed(f"{source} has no snapshot")
+        return {"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest}
+
+    @contextlib.asynccontextmanager
+    async def fetch(self, source: str, seq: int, start: int, total: int) -> AsyncIterator[RangeBody]:
+        sim, rng = self.sim, self.sim.rng
+        src = sim.nodes.get(source)
+        await asyncio.sleep(rng.randint(1, 10) / 1000)
+        if src is None or not src.up or src.shell is None or sim.cut_between(source, self.node.name):
+            raise FetchFailed(f"{source} unreachable")
+        if rng.random() < sim.p.download_busy:
+            sim.stats["download_busy"] += 1
+            raise SourceBusy(source)
+        snap = src.shell.latest_snapshot()
+        if snap is None or snap.seq != seq:
+            raise FetchFailed("that snapshot is gone")
+        data = bytearray(src.storage.read_bytes(snap.path)[start:])
+        if data and rng.random() < sim.p.download_flip:
+            data[rng.randrange(len(data))] ^= rng.randint(1, 255)  # a source (or a link) that lies
+            sim.stats["download_flipped"] += 1
+        cut = rng.randrange(len(data) + 1) if data and rng.random() < sim.p.download_cut else None
+        yield RangeBody(start, self._chunks(bytes(data), cut))
+
+    async def _chunks(self, data: bytes, cut: int | None) -> AsyncIterator[bytes]:
+        end = len(data) if cut is None else cut
+        for i in range(0, end, self.CHUNK):
+            await asyncio.sleep(0.001)
+            yield data[i:min(end, i + self.CHUNK)]
+        if cut is not None:
+            self.sim.stats["download_cut"] += 1
+            raise FetchFailed("the answer broke off")
+
+    async def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------- plants
+
+
+def _planted(name: str | None) -> contextlib.AbstractContextManager[None]:
+    """Patch in a known bug for the length of a run (the simulator must catch it)."""
+    if name is None:
+        return contextlib.nullcontext()
+    if name not in PLANTS:
+        raise ValueError(f"unknown plant {name!r}; known: {', '.join(PLANTS)}")
+    return _plant(name)
+
+
+@contextlib.contextmanager
+def _plant(name: str) -> Iterator[None]:
+    import worker.group as group
+    import worker.wal as wal
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(obj: Any, attr: str, value: Any) -> None:
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    if name == "early-ack":
+        # Every effect of a pass performed before its Persists are durable.
+        async def perform(self: GroupShell, effects: list[m.Effect]) -> None:
+            self._perform_in_order(effects)
+            persists = [e for e in effects if isinstance(e, m.Persist)]
+            if persists:
+                self._persist_all(persists)
+        patch(group.GroupShell, "_perform", perform)
+    elif name == "ignore-fsync-error":
+        real_sync = wal.Wal.sync
+
+        def sync(self: wal.Wal) -> bool:
+            try:
+                return real_sync(self)
+            except OSError:
+                self._dirty = False
+                self._failed = None
+                return True
+        patch(wal.Wal, "sync", sync)
+    elif name == "skip-corrupt":
+        real_recover = wal.Wal._recover
+
+        def recover(self: wal.Wal) -> None:
+            # On a damaged record: drop it and everything after it, as if it were a torn tail.
+            while True:
+                try:
+                    return real_recover(self)
+                except wal.WalCorrupt as exc:
+                    path = Path(exc.path) if getattr(exc, "path", None) else None
+                    offset = getattr(exc, "offset", None)
+                    if path is None or offset is None or not self._io.exists(path):
+                        raise
+                    self._io.truncate(path, offset)
+                    for name_ in sorted(self._io.listdir(self._dir)):
+                        if name_.endswith(".wal") and name_ > path.name:
+                            self._io.unlink(self._dir / name_)
+                    self._segments, self._run_seq, self._run_term = [], [], []
+        patch(wal.Wal, "_recover", recover)
+    elif name == "unverified-snapshot":
+        class _Matches(str):
+            def __eq__(self, other: object) -> bool:
+                return True
+
+            def __ne__(self, other: object) -> bool:
+                return False
+
+            __hash__ = str.__hash__
+        patch(group, "file_digest", lambda *a, **k: _Matches("skipped"))
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+# ----------------------------------------------------------------------------- the simulator
+
+
+class ShellSim:
+    def __init__(self, seed: int, plant: str | None = None, verbose: bool = False) -> None:
+        self.seed = seed
+        self.plant = plant
+        self.rng = random.Random(seed)
+        self.p = draw_params(self.rng)
+        self.verbose = verbose
+        self.loop = VirtualTimeLoop()
+        self.stats: Counter[str] = Counter()
+        self.trace: list[str] = []
+        self.names = [f"n{i}" for i in range(self.p.nodes)]
+        self._scratch = Path(tempfile.mkdtemp(prefix="shellsim-"))
+        self.nodes = {n: SimNode(n, SimStorage(random.Random(self.rng.random())), self._scratch / n)
+                      for n in self.names}
+        for node in self.nodes.values():
+            node.storage.fsync_fail_rate = self.p.fsync_fail
+        self.commits = CommittedLog(self.fail)
+        self.cut: set[tuple[str, str]] = set()
+        self.m_term = 0
+        self.m_leader: str | None = None
+        self.m_changed = 0.0
+        self.ready: dict[int, str] = {}  # term -> the replica that reported itself its ready leader
+        self.calm = False
+        self.written: dict[str, int] = {}  # item id -> the n its doc holds
+        self.next_id = 0
+        self.failure: BaseException | None = None
+        self.settings = GroupSettings(fsync="batch", snapshot_every=self.p.snapshot_every, quorum_timeout_ms=1000,
+                                      lease_ms=300, segment_bytes=self.p.segment_bytes)
+
+    # -- plumbing --------------------------------------------------------------------
+
+    @property
+    def now(self) -> int:
+        return self.loop.ms()
+
+    def log(self, text: str) -> None:
+        line = f"{self.now:7d} {text}"
+        self.trace.append(line)
+        if len(self.trace) > 400:
+            del self.trace[:100]
+        if self.verbose:
+            print(line)
+
+    def fail(self, text: str) -> NoReturn:
+        raise SimViolation(f"seed {self.seed}{' plant ' + self.plant if self.plant else ''} "
+                           f"t={self.now}: {text}")
+
+    def spawn(self, coro: Any, node: SimNode | None = None) -> None:
+        task = self.loop.create_task(coro)
+        task.add_done_callback(self._task_done)
+        if node is not None:
+            node.tasks.add(task)
+            task.add_done_callback(node.tasks.discard)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, SimCrash) and self.failure is None:
+            self.failure = exc
+            self.loop.stop()
+
+    def view(self) -> m.MetaView:
+        return m.MetaView(self.m_term, self.m_leader, tuple(self.names), (), 0)
+
+    # -- run ------------------------------------------------------------------------
+
+    def run(self) -> ShellSim:
+        with _planted(self.plant), structlog.testing.capture_logs():
+            try:
+                self.loop.run_until_complete(self._main())
+                if self.failure is not None:
+                    raise self.failure
+            finally:
+                for task in asyncio.all_tasks(self.loop):
+                    task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(asyncio.sleep(0))
+                self.loop.close()
+                shutil.rmtree(self._scratch, ignore_errors=True)
+        return self
+
+    async def _main(self) -> None:
+        self.log(f"PARAMS {self.p}")
+        for node in self.nodes.values():
+            self.start(node)
+        self.meta_cas(self.names[0])
+        self.spawn(self.clients())
+        self.spawn(self.nemesis())
+        self.spawn(self.meta_loop())
+        await asyncio.sleep(self.p.chaos_ms / 1000)
+        self.calm = True
+        self.log("CONVERGE")
+        self.cut.clear()
+        for node in self.nodes.values():
+            node.storage.fsync_fail_rate = 0.0
+            node.storage.crash_hook = None
+            if not node.up:
+                self.start(node)
+        limit = self.now + 30_000
+        while not self.converged():
+            if self.now > limit:
+                self.fail(f"did not converge in 30 s: {self.status()}")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # in-flight client answers land
+        self.final_checks()
+
+    def status(self) -> str:
+        parts = [f"meta term={self.m_term} leader={self.m_leader}"]
+        for n in self.names:
+            node = self.nodes[n]
+            r = node.shell.replica if node.shell is not None else None
+            if not node.up or r is None:
+                parts.append(f"{n}:down")
+            else:
+                parts.append(f"{n}:{r.role} t{r.term} last=({r.last_term},{r.last_seq}) c{r.commit_seq} "
+                             f"a{r.applied_seq} ready={r.ready} resync={r.resyncing} failed={node.shell.failed}")
+        return " | ".join(parts)
+
+    # -- nodes ----------------------------------------------------------------------
+
+    def start(self, node: SimNode) -> None:
+        io = node.storage
+        io.crash_hook = None
+        node.inc += 1
+        node.scratch.mkdir(parents=True, exist_ok=True)
+        plugin = load_plugin("entities")
+        runtime = ShellRuntime(storage=io, clock=self.loop.ms, rng=random.Random(self.rng.random()),
+                               executor=lambda _name: InlineExecutor(),
+                               snapshots=lambda shell, node=node: _Snapshots(self, node),  # type: ignore[misc]
+                               scratch=node.scratch)
+        shell = SimShell(node.name, GROUP, ROOT / node.name, plugin, self.settings,
+                         _Transport(self, node), _Hooks(self, node), structlog.get_logger(),  # type: ignore[arg-type]
+                         runtime=runtime)
+        shell.sim, shell.node = self, node
+        node.shell = shell
+        node.up = True
+        damaged, node.damaged = node.damaged, None
+        try:
+            shell.open()
+        except SimCrash:
+            self.log(f"CRASH {node.name} while opening")
+            self.crashed(node)
+            return
+        r = shell.replica
+        assert r is not None
+        if damaged is not None and not r.resyncing:
+            self.fail(f"{node.name}: WAL record damaged at {damaged[0]}:{damaged[1]} after it was synced, "
+                      f"and recovery did not report it")
+        node.applied = r.applied_seq
+        self.log(f"START {node.name} term={r.term} last=({r.last_term},{r.last_seq}) applied={r.applied_seq} "
+                 f"resync={r.resyncing}")
+        if not self.calm and self.rng.random() < self.p.midop:
+            left = self.rng.randint(1, self.p.midop_within)
+
+            def hook(op: str, node: SimNode = node) -> bool:
+                nonlocal left
+                left -= 1
+                if left:
+                    return False
+                self.stats[f"crash_in_{op}"] += 1
+                self.log(f"CRASH {node.name} in {op}")
+                self.loop.call_soon(self.crashed, node)
+                return True
+            io.crash_hook = hook
+        shell.start()
+        self.spawn(self.watch(node, node.inc), node)
+        self.loop.call_later(self.rng.randint(1, 20) / 1000, self.deliver_view, node)
+
+    def crashed(self, node: SimNode, power: bool | None = None) -> None:
+        """`node` dies now (its disk decides what it keeps when it restarts)."""
+        if not node.up:
+            return
+        node.up = False
+        node.storage.die()
+        shell = node.shell
+        if shell is not None:
+            for task in (shell._task, shell._download, shell._meta_check, *node.tasks):
+                if task is not None:
+                    task.cancel()
+            if shell._timer is not None:
+                shell._timer.cancel()
+        if power is None:
+            power = self.rng.random() < self.p.power_share
+        self.stats["crash_power" if power else "crash_kill"] += 1
+        down = self.rng.randint(20, 400) / 1000
+        self.loop.call_later(down, self.restart, node, power)
+
+    def restart(self, node: SimNode, power: bool) -> None:
+        if node.up:
+            return
+        if power:
+            node.storage.power_loss(mode=self.rng.choice(self.p.power_modes))  # type: ignore[arg-type]
+        else:
+            node.storage.kill()
+        if not self.calm and self.rng.random() < self.p.corrupt:
+            node.damaged = self.damage(node)
+        self.start(node)
+
+    def damage(self, node: SimNode) -> tuple[str, int] | None:
+        """Flip a byte in a synced WAL record that recovery must read and report:
+        in a segment before the last, or in the last one with a whole record after it."""
+        io = node.storage
+        wal_dir = ROOT / node.name / "wal"
+        if not io.exists(wal_dir):
+            return None
+        segs = sorted(n for n in io.listdir(wal_dir) if n.endswith(".wal"))
+        choices: list[tuple[str, int, int]] = []
+        for i, name in enumerate(segs):
+            data = io.read_bytes(wal_dir / name)
+            records = list(_records(data))
+            if i == len(segs) - 1:
+                records = records[:-1]  # its last record may be a torn tail: cut, not reported
+            choices.extend((name, lo, hi) for lo, hi in records)
+        if not choices:
+            return None
+        name, lo, hi = self.rng.choice(choices)
+        offset = io.corrupt(wal_dir / name, self.rng, lo, hi)
+        self.stats["wal_damaged"] += 1
+        self.log(f"DAMAGE {node.name} {name}@{offset}")
+        return name, offset
+
+    async def watch(self, node: SimNode, inc: int) -> None:
+        """What the worker does about a failed group: on a disk error,
+        reopen it in place once the disk answers again (worker/retry.py);
+        anything else stopped a replica on a bug."""
+        while node.up and node.inc == inc:
+            await asyncio.sleep(0.02)
+            shell = node.shell
+            if shell is None or shell.failed is None:
+                continue
+            if not shell.failed_on_disk:
+                self.fail(f"{node.name} stopped on a bug: {shell.failed}")
+            self.stats["reopened_after_disk_error"] += 1
+            self.log(f"FAILED {node.name}: {shell.failed}; reopening in place")
+            await asyncio.sleep(self.rng.randint(20, 200) / 1000)
+            if not node.up or node.inc != inc:
+                return
+            node.up = False
+            node.storage.die()
+            for task in (shell._task, shell._download, shell._meta_check):
+                if task is not None:
+                    task.cancel()
+            node.storage.kill()
+            node.storage.settle()  # worker/retry.py settle_from_disk: synced, cache dropped
+            self.start(node)
+            return
+
+    def on_apply(self, node: SimNode, entries: tuple[m.Entry, ...]) -> None:
+        for e in entries:
+            self.commits.in_order(node.name, e.seq, node.applied)
+            self.commits.applied(node.name, e.seq, (e.term, e.seq, e.kind, repr(e.data)), m.entry_rids(e))
+            node.applied = e.seq
+
+    def on_ready(self, node: SimNode, term: int) -> None:
+        who = self.ready.setdefault(term, node.name)
+        if who != node.name:
+            self.fail(f"two ready leaders in term {term}: {who} and {node.name}")
+        self.log(f"READY {node.name} term {term}")
+
+    # -- network ---------------------------------------------------------------------
+
+    def cut_between(self, a: str, b: str) -> bool:
+        return (a, b) in self.cut
+
+    def net_send(self, node: SimNode, msg: m.Message) -> None:
+        if not node.up:
+            return  # a dead process sends nothing
+        wire = encode_message(msg)
+        if self.calm:
+            copies = 1
+        elif self.rng.random() < self.p.loss or (msg.src, msg.dst) in self.cut:
+            return
+        else:
+            copies = 2 if self.rng.random() < self.p.dup else 1
+        for _ in range(copies):
+            self.loop.call_later(self.rng.randint(*self.p.delay_ms) / 1000, self.net_arrive, wire)
+
+    def net_arrive(self, wire: Any) -> None:
+        msg = decode_message(wire)
+        dst = self.nodes.get(msg.dst)
+        if dst is not None and dst.up and dst.shell is not None and (msg.src, msg.dst) not in self.cut:
+            dst.shell.deliver(msg)
+
+    def deliver_view(self, node: SimNode, view: m.MetaView | None = None) -> None:
+        if node.up and node.shell is not None:
+            node.shell.deliver(view or self.view())
+
+    # -- meta ------------------------------------------------------------------------
+
+    def meta_cas(self, leader: str) -> None:
+        self.m_term += 1
+        self.m_leader = leader
+        self.m_changed = self.now
+        self.stats["meta_cas"] += 1
+        self.log(f"META term {self.m_term} leader {leader}")
+        for node in self.nodes.values():
+            if self.calm or self.rng.random() > 0.1:
+                self.loop.call_later(self.rng.randint(1, 30) / 1000, self.deliver_view, node)
+
+    async def meta_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for node in self.nodes.values():
+                if self.rng.random() < 0.3:
+                    self.deliver_view(node)
+            leader = self.nodes.get(self.m_leader or "")
+            r = leader.shell.replica if leader is not None and leader.up and leader.shell is not None else None
+            healthy = r is not None and r.ready and r.term == self.m_term and r.has_quorum
+            if healthy or self.now - self.m_changed < 400:
+                continue
+            live = [n for n in self.names if self.nodes[n].up and self.nodes[n].shell is not None
+                    and self.nodes[n].shell.replica is not None and self.nodes[n].shell.failed is None]
+            if not live:
+                continue
+            able = [n for n in live if not self.nodes[n].shell.replica.resyncing] or live  # type: ignore[union-attr]
+            if self.calm or self.rng.random() < 0.6:
+                best = max(able, key=self.position)
+            else:
+                best = self.rng.choice(live)
+            self.meta_cas(best)
+
+    def position(self, name: str) -> tuple[int, int]:
+        r = self.nodes[name].shell.replica  # type: ignore[union-attr]
+        return (r.last_term, r.last_seq) if r is not None else (0, 0)
+
+    # -- faults ----------------------------------------------------------------------
+
+    async def nemesis(self) -> None:
+        rng = self.rng
+        while not self.calm:
+            await asyncio.sleep(rng.expovariate(1 / self.p.crash_every_ms) / 1000 + 0.001)
+            if self.calm:
+                return
+            roll = rng.random()
+            if roll < self.p.outage_share:
+                self.stats["outage"] += 1
+                self.log("OUTAGE: every node loses power")
+                for node in self.nodes.values():
+                    self.crashed(node, power=True)
+            elif roll < self.p.outage_share + self.p.partition:
+                a, b = rng.sample(self.names, 2)
+                pairs = {(a, b)} if rng.random() < 0.5 else {(a, b), (b, a)}
+                if rng.random() < 0.3:  # a node cut from everyone
+                    pairs = {(a, n) for n in self.names if n != a} | {(n, a) for n in self.names if n != a}
+                self.cut |= pairs
+                self.stats["partition"] += 1
+                self.log(f"CUT {sorted(pairs)}")
+                self.loop.call_later(rng.randint(100, 800) / 1000, self.heal, pairs)
+            else:
+                up = [n for n in self.names if self.nodes[n].up]
+                if up:
+                    self.crashed(self.nodes[rng.choice(up)])
+
+    def heal(self, pairs: set[tuple[str, str]]) -> None:
+        self.cut -= pairs
+
+    # -- clients ---------------------------------------------------------------------
+
+    async def clients(self) -> None:
+        while not self.calm:
+            await asyncio.sleep(self.rng.expovariate(self.p.writes_per_s))
+            if not self.calm:
+                self.spawn(self.client_write())
+
+    async def client_write(self) -> None:
+        self.next_id += 1
+        i = self.next_id
+        rid, item = f"r{i}", f"k{i}"
+        self.written[item] = i
+        op = {"kind": "put_item", "id": item, "doc": {"n": i}}
+        ack = "all" if self.rng.random() < self.p.ack_all else "quorum"
+        target = self.m_leader or self.rng.choice(self.names)
+        for _ in range(40):
+            node = self.nodes[target]
+            shell = node.shell
+            if node.up and shell is not None and shell.replica is not None:
+                inc = node.inc
+                out = await shell.write(op, ack, rid, timeout_s=1.0)
+                if out.ok and node.inc == inc:
+                    self.commits.acknowledged(node.name, rid, out.seq)
+                    self.stats[f"acked_{ack}"] += 1
+                    return
+                target = out.leader if out.leader in self.nodes and self.rng.random() < 0.8 \
+                    else self.rng.choice(self.names)
+            else:
+                target = self.rng.choice(self.names)
+            await asyncio.sleep(self.rng.randint(20, 80) / 1000)
+
+    # -- the end ---------------------------------------------------------------------
+
+    def converged(self) -> bool:
+        leader = self.nodes.get(self.m_leader or "")
+        if leader is None or not leader.up or leader.shell is None:
+            return False
+        lr = leader.shell.replica
+        if lr is None or not lr.ready or lr.term != self.m_term or lr.commit_seq != lr.last_seq:
+            return False
+        for node in self.nodes.values():
+            r = node.shell.replica if node.up and node.shell is not None else None
+            if r is None or r.last_seq != lr.last_seq or r.applied_seq != lr.last_seq or r.term != lr.term \
+                    or r.resyncing:
+                return False
+        return True
+
+    def final_checks(self) -> None:
+        self.commits.final_checks()
+        acked_items = {f"k{rid[1:]}" for rid in self.commits.acked}
+        committed = {f"k{rid[1:]}" for rids in self.commits.rids for rid in rids}
+        for node in self.nodes.values():
+            plugin = node.shell.plugin  # type: ignore[union-attr]
+            for item, n in self.written.items():
+                try:
+                    doc = plugin.query({"kind": "get_item", "id": item})
+                except NotFound:
+                    doc = None
+                if item in acked_items and doc != {"n": n}:
+                    self.fail(f"{node.name}: acknowledged item {item} reads {doc!r}")
+                if doc is not None and item not in committed:
+                    self.fail(f"{node.name}: item {item} is there but was never committed")
+                if doc is not None and doc != {"n": n}:
+                    self.fail(f"{node.name}: item {item} reads {doc!r}, written as {{'n': {n}}}")
+        self.stats["acked"] = len(self.commits.acked)
+        self.stats["committed"] = self.commits.last
+
+
+def _records(data: bytes) -> Iterator[tuple[int, int]]:
+    """[start, end) of each whole record of a WAL segment's bytes (see worker/wal.py)."""
+    pos = 0
+    while pos + HEADER_BYTES <= len(data):
+        length, _digest = _HEADER.unpack_from(data, pos)
+        end = pos + HEADER_BYTES + length
+        if length == 0 or end > len(data):
+            return
+        yield pos, end
+        pos = end
+
+
+def run_seed(seed: int, plant: str | None = None, verbose: bool = False) -> ShellSim:
+    return ShellSim(seed, plant, verbose).run()
+
+
+def replay_hint(seed: int, plant: str | None = None) -> str:
+    return REPLAY_HINT.format(seed=seed, plant=f" SHARDGRID_SIM_PLANT={plant}" if plant else "")
+
