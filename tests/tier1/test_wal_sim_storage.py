@@ -334,3 +334,21 @@ def test_entries_whose_sync_failed_are_not_reported_by_a_reopen_before_a_power_l
     wal.close()
     # What the reopened replica reported as its log (and may acknowledge) must survive.
     assert after.entries == reported, f"reported {len(reported)}, kept {len(kept)}, after {len(after.entries)}"
+
+
+def test_a_full_disk_fails_the_append_and_the_log_recovers() -> None:
+    for seed in range(30):
+        disk, rng, wal = _synced_log(seed)
+        kept = wal.entries(wal.first_seq)
+        disk.fail_next_writes(2)  # the allocation ahead (tolerated), then the write
+        with pytest.raises(OSError):
+            wal.append([(1, wal.last_seq + 1, _payload(rng))])
+        disk.write_failures = 0
+        with pytest.raises(WalFailed):
+            wal.sync()
+        wal.close()
+        disk.power_loss(rng, rng.choice(MODES))
+        wal, rec = Wal.recover(D, storage=disk)
+        assert rec.entries == kept
+        wal.append([(1, wal.last_seq + 1, b"after")])
+        wal.close()
