@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["OS_STORAGE", "OsStorage", "Storage"]
+__all__ = ["LOCK_HELD_ERRNOS", "OS_STORAGE", "OsStorage", "Storage"]
 
 
 class Storage(Protocol):
