@@ -13,6 +13,12 @@ before renaming the temp file into place. Every field of an archive's header
 is checked before a plugin sees a byte of it (`_read_header`): it may come
 from a peer. Files are written to a temp name, fsynced and
 renamed, so a crash leaves either the old snapshot or the new one.
+
+The archives (the snapshot directory) are reached through a `Storage`
+(worker/storage.py; the OS by default) so that a simulator can put them on
+a disk that models power loss. The plugin's own files are not: they are
+scratch directories on the real file system (what `capture()` wrote, what
+`restore()` reads), copied into or out of an archive.
 """
 from __future__ import annotations
 
@@ -20,14 +26,17 @@ import os
 import struct
 import tempfile
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from types import TracebackType
+from typing import Protocol
 
 import xxhash
 
 from shardgrid.common.wire import packb, unpackb
 from worker.codec import decode_snapshot_meta, encode_snapshot_meta
 from worker.replica_msgs import SnapshotMeta
+from worker.storage import OS_STORAGE, Storage
 
 MAGIC = b"SGSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
@@ -77,32 +86,78 @@ class SnapshotFile:
     digest: str  # xxh3-128 hex of the whole file
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class _ArchiveReader:
+    """A sequential reader of one archive through `Storage.pread`.
+
+    Reads only what is asked (at most `_CHUNK` at a time by the callers),
+    so a multi-GB archive is never held in memory."""
+
+    def __init__(self, storage: Storage, path: Path) -> None:
+        self._io = storage
+        self._fd = storage.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._pos = 0
+        try:
+            self.size = storage.fsize(self._fd)
+        except BaseException:
+            storage.close(self._fd)
+            raise
+
+    def read(self, n: int) -> bytes:
+        """Up to `n` bytes (fewer only at the end of the file)."""
+        out = []
+        while n > 0:
+            chunk = self._io.pread(self._fd, n, self._pos)
+            if not chunk:
+                break
+            out.append(chunk)
+            self._pos += len(chunk)
+            n -= len(chunk)
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._io.close(self._fd)
+
+    def __enter__(self) -> _ArchiveReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
-def _publish_digest(final: Path, digest: str) -> None:
+def _write_all(storage: Storage, fd: int, data: bytes) -> None:
+    # A regular-file write is short only on ENOSPC or a signal: loop so that
+    # the error surfaces from the next call.
+    view = memoryview(data)
+    while view:
+        view = view[storage.write(fd, view):]
+
+
+# What Python's open(..., "w"/"wb") passes to open(2); O_CLOEXEC as Python's
+# files are non-inheritable.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+
+def _publish_digest(final: Path, digest: str, storage: Storage) -> None:
     """The digest beside `final`, durably. Its presence marks the snapshot
     finished, so it must never be there empty: after a power loss a plain
     write could leave the name with no content, and the snapshot the WAL
     points at would fail its check (a full resync from the leader)."""
     side = final.with_name(final.name + ".xxh3")
     tmp = side.with_name(side.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(digest)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, side)
-    _fsync_dir(final.parent)
+    fd = storage.open(tmp, _CREATE, 0o666)
+    try:
+        _write_all(storage, fd, digest.encode("ascii"))
+        storage.fsync(fd)
+    finally:
+        storage.close(fd)
+    storage.replace(tmp, side)
+    storage.fsync_dir(final.parent)
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path, *, storage: Storage = OS_STORAGE) -> str:
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    with _ArchiveReader(storage, path) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -112,93 +167,106 @@ def _name(seq: int, term: int) -> str:
     return f"snap-{seq:020d}-{term:010d}.snap"
 
 
-def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path) -> SnapshotFile:
+def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path, *,
+                   storage: Storage = OS_STORAGE) -> SnapshotFile:
     """Pack the plugin's snapshot files (a directory) and `meta` into one archive.
+
+    `plugin_files` is a real directory (read with plain `open`); the archive
+    is written to `snap_dir` in `storage`.
 
     Older snapshots stay until `prune_snapshots`: the WAL's snapshot point
     moves only after this file is durable, and a crash in between must still
     find the snapshot the WAL points at.
     """
-    snap_dir.mkdir(parents=True, exist_ok=True)
+    storage.mkdir(snap_dir)
     names = sorted(p.name for p in plugin_files.iterdir() if p.is_file())
     files = [[n, (plugin_files / n).stat().st_size] for n in names]
     header = packb({"meta": encode_snapshot_meta(meta), "files": files})
     final = snap_dir / _name(meta.seq, meta.term)
     partial = final.with_suffix(".partial")
     h = xxhash.xxh3_128()
-    with open(partial, "wb") as out:
-        for chunk in (MAGIC, _HEADER_LEN.pack(len(header)), header):
-            out.write(chunk)
-            h.update(chunk)
+    out = storage.open(partial, _CREATE, 0o666)
+    try:
+        # The small header pieces in one write, as a buffered file did.
+        head = MAGIC + _HEADER_LEN.pack(len(header)) + header
+        _write_all(storage, out, head)
+        h.update(head)
         unsynced = 0
         for n in names:
             with open(plugin_files / n, "rb") as src:
                 while chunk := src.read(_CHUNK):
-                    out.write(chunk)
+                    _write_all(storage, out, chunk)
                     h.update(chunk)
                     unsynced += len(chunk)
                     if unsynced >= _SYNC_EVERY:
-                        # Flushed a few MB at a time: one fsync of tens of MB
+                        # Synced a few MB at a time: one fsync of tens of MB
                         # holds the disk (and, on ext4, the journal) long
                         # enough to stall every WAL fsync of the machine.
-                        out.flush()
-                        os.fdatasync(out.fileno())
+                        storage.fdatasync(out)
                         unsynced = 0
-        out.flush()
-        os.fsync(out.fileno())
+        storage.fsync(out)
+    finally:
+        storage.close(out)
     digest = h.hexdigest()
-    os.replace(partial, final)
-    _publish_digest(final, digest)
-    return SnapshotFile(final, meta.seq, meta.term, final.stat().st_size, digest)
+    storage.replace(partial, final)
+    _publish_digest(final, digest, storage)
+    return SnapshotFile(final, meta.seq, meta.term, storage.size(final), digest)
 
 
-def prune_snapshots(snap_dir: Path, keep_seq: int) -> None:
+def _glob(storage: Storage, directory: Path, pattern: str) -> list[Path]:
+    # Path.glob's match for these patterns (a literal "snap-" prefix, so no
+    # hidden files; case-sensitive as on Linux), through `storage`.
+    if not storage.is_dir(directory):
+        return []
+    return [directory / n for n in storage.listdir(directory) if fnmatchcase(n, pattern)]
+
+
+def prune_snapshots(snap_dir: Path, keep_seq: int, *, storage: Storage = OS_STORAGE) -> None:
     """Delete every snapshot older than `keep_seq` (and stray partial files)."""
-    for old in list_snapshots(snap_dir):
+    for old in list_snapshots(snap_dir, storage=storage):
         if old.seq < keep_seq:
-            remove_snapshot(old)
+            remove_snapshot(old, storage=storage)
     # Our own archives' leftovers only: a download in progress (.download-*) is not stray.
     for pattern in ("snap-*.partial", "snap-*.xxh3.tmp"):
-        for stray in snap_dir.glob(pattern):
-            stray.unlink(missing_ok=True)
+        for stray in _glob(storage, snap_dir, pattern):
+            storage.unlink(stray, missing_ok=True)
 
 
-def snapshot_at(snap_dir: Path, seq: int) -> SnapshotFile | None:
-    return next((s for s in list_snapshots(snap_dir) if s.seq == seq), None)
+def snapshot_at(snap_dir: Path, seq: int, *, storage: Storage = OS_STORAGE) -> SnapshotFile | None:
+    return next((s for s in list_snapshots(snap_dir, storage=storage) if s.seq == seq), None)
 
 
-def remove_snapshot(s: SnapshotFile) -> None:
-    s.path.unlink(missing_ok=True)
-    s.path.with_name(s.path.name + ".xxh3").unlink(missing_ok=True)
+def remove_snapshot(s: SnapshotFile, *, storage: Storage = OS_STORAGE) -> None:
+    storage.unlink(s.path, missing_ok=True)
+    storage.unlink(s.path.with_name(s.path.name + ".xxh3"), missing_ok=True)
 
 
-def list_snapshots(snap_dir: Path) -> list[SnapshotFile]:
-    out = []
-    if not snap_dir.is_dir():
-        return out
-    for p in snap_dir.glob("snap-*.snap"):
+def list_snapshots(snap_dir: Path, *, storage: Storage = OS_STORAGE) -> list[SnapshotFile]:
+    out: list[SnapshotFile] = []
+    for p in _glob(storage, snap_dir, "snap-*.snap"):
         side = p.with_name(p.name + ".xxh3")
-        if not side.exists():
+        if not storage.exists(side):
             continue  # its digest never made it to disk: not a finished snapshot
         parts = p.stem.split("-")
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             continue  # not a name this module writes (_name)
-        out.append(SnapshotFile(p, int(parts[1]), int(parts[2]), p.stat().st_size, side.read_text().strip()))
+        digest = storage.read_bytes(side).decode().strip()
+        out.append(SnapshotFile(p, int(parts[1]), int(parts[2]), storage.size(p), digest))
     return sorted(out, key=lambda s: s.seq)
 
 
-def latest_snapshot(snap_dir: Path) -> SnapshotFile | None:
-    snaps = list_snapshots(snap_dir)
+def latest_snapshot(snap_dir: Path, *, storage: Storage = OS_STORAGE) -> SnapshotFile | None:
+    snaps = list_snapshots(snap_dir, storage=storage)
     return snaps[-1] if snaps else None
 
 
-def read_meta(path: Path) -> SnapshotMeta:
-    with open(path, "rb") as f:
+def read_meta(path: Path, *, storage: Storage = OS_STORAGE) -> SnapshotMeta:
+    with _ArchiveReader(storage, path) as f:
         meta, _ = _read_header(f)
     return meta
 
 
-def _read_header(f: BinaryIO) -> tuple[SnapshotMeta, list[tuple[str, int]]]:
+def _read_header(f: _ArchiveReader) -> tuple[SnapshotMeta, list[tuple[str, int]]]:
     """The archive's meta and its (name, size) files, each checked, or
     SnapshotCorrupt. The file sizes must add up to the archive's length:
     no file reads past its end, and nothing follows the last."""
@@ -208,7 +276,7 @@ def _read_header(f: BinaryIO) -> tuple[SnapshotMeta, list[tuple[str, int]]]:
     if len(raw_len) != _HEADER_LEN.size:
         raise SnapshotCorrupt("truncated snapshot header")
     (hlen,) = _HEADER_LEN.unpack(raw_len)
-    total = os.fstat(f.fileno()).st_size
+    total = f.size
     start = len(MAGIC) + _HEADER_LEN.size
     if hlen > MAX_HEADER or start + hlen > total:
         raise SnapshotCorrupt(f"snapshot header of {hlen} bytes in a file of {total}")
@@ -253,15 +321,21 @@ def _check_meta(meta: SnapshotMeta) -> None:
 
 
 def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None = None,
-                     expect_point: tuple[int, int] | None = None) -> SnapshotMeta:
+                     expect_point: tuple[int, int] | None = None, *, storage: Storage = OS_STORAGE,
+                     scratch: Path | None = None) -> SnapshotMeta:
     """Verify (when a digest is given), unpack and restore `plugin` from `path`.
 
     `expect_point`: the (term, seq) the archive must be at (what its name
     and its source said); checked, like every field of the header, before
-    the plugin is touched. Raises SnapshotCorrupt."""
-    if expect_digest is not None and file_digest(path) != expect_digest:
+    the plugin is touched. Raises SnapshotCorrupt.
+
+    The archive is read through `storage`; the plugin's files are unpacked
+    into a real temporary directory under `scratch` (default: beside the
+    archive, which only exists on the real file system with OS storage)."""
+    if expect_digest is not None and file_digest(path, storage=storage) != expect_digest:
         raise SnapshotCorrupt(f"{path.name}: xxh3-128 mismatch")
-    with open(path, "rb") as f, tempfile.TemporaryDirectory(dir=path.parent, prefix=".restore-") as tmp:
+    with _ArchiveReader(storage, path) as f, \
+            tempfile.TemporaryDirectory(dir=scratch or path.parent, prefix=".restore-") as tmp:
         meta, files = _read_header(f)
         if expect_point is not None and (meta.term, meta.seq) != expect_point:
             raise SnapshotCorrupt(f"{path.name} holds the snapshot at (term, seq) ({meta.term}, {meta.seq}), "
@@ -279,9 +353,10 @@ def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None =
     return meta
 
 
-def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, digest: str) -> SnapshotFile:
+def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, digest: str, *,
+                       storage: Storage = OS_STORAGE) -> SnapshotFile:
     """Move a verified download into place as this replica's latest snapshot."""
     final = snap_dir / _name(seq, term)
-    os.replace(partial, final)
-    _publish_digest(final, digest)
-    return SnapshotFile(final, seq, term, final.stat().st_size, digest)
+    storage.replace(partial, final)
+    _publish_digest(final, digest, storage)
+    return SnapshotFile(final, seq, term, storage.size(final), digest)

@@ -87,6 +87,10 @@ entry), the terms as runs `(first seq of run, term)`, and a tail cache of the
 most recent entries bounded by count and bytes. Older entries are read from
 disk with one `pread` per segment chunk.
 
+Every file-system call goes through a `Storage` (worker/storage.py; the OS
+by default), so that a simulator can run the WAL on a disk that models
+power loss.
+
 Not thread-safe. If the shell runs `sync()` in an executor thread, it must
 not call any other method of the same `Wal` until `sync()` has returned
 (queue the next batch meanwhile: that is the group commit anyway). After an
@@ -97,7 +101,6 @@ recover.
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
 import os
 import re
@@ -111,6 +114,8 @@ from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, TypeV
 
 import msgpack
 from xxhash import xxh3_64_intdigest
+
+from worker.storage import LOCK_HELD_ERRNOS, OS_STORAGE, Storage
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -330,40 +335,36 @@ def _peek_term_seq(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
     return out[0], out[1]
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(io: Storage, fd: int, data: bytes) -> None:
     # A regular-file write(2) is short only on ENOSPC/EFBIG or a signal;
     # loop so that a short write surfaces as the OSError of the next call.
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        written = io.write(fd, view)
         view = view[written:]
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def _pwrite_all(io: Storage, fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
-        written = os.pwrite(fd, view, offset)
+        written = io.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
 
 
-def _pread_exact(path: Path, size: int, offset: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _pread_exact(io: Storage, path: Path, size: int, offset: int) -> bytes:
+    fd = io.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        data = os.pread(fd, size, offset)
+        data = io.pread(fd, size, offset)
     finally:
-        os.close(fd)
+        io.close(fd)
     if len(data) != size:
         raise WalCorrupt(path, offset, f"expected {size} bytes, the file has {len(data)}")
     return data
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def fsync_dir(path: Path, storage: Storage = OS_STORAGE) -> None:
+    storage.fsync_dir(path)
 
 
 def _encode_hard_state(hs: HardState) -> bytes:
@@ -444,9 +445,10 @@ class Wal:
     """The write-ahead log of one replica directory. Create with `Wal.open`."""
 
     def __init__(self, directory: Path, *, fsync: FsyncMode, segment_bytes: int,
-                 cache_entries: int, cache_bytes: int, lock_fd: int) -> None:
+                 cache_entries: int, cache_bytes: int, lock_fd: int, storage: Storage) -> None:
         # Private: `Wal.open` takes the directory lock and runs recovery.
         self._dir = directory
+        self._io = storage  # every file-system call goes through it
         self._fsync: FsyncMode = fsync
         self._sync_on = fsync != "none"
         self._segment_bytes = segment_bytes
@@ -480,7 +482,7 @@ class Wal:
     def open(cls, directory: str | os.PathLike[str], *, fsync: FsyncMode = "batch",
              segment_bytes: int = DEFAULT_SEGMENT_BYTES,
              cache_entries: int = DEFAULT_CACHE_ENTRIES,
-             cache_bytes: int = DEFAULT_CACHE_BYTES) -> Wal:
+             cache_bytes: int = DEFAULT_CACHE_BYTES, storage: Storage = OS_STORAGE) -> Wal:
         """Open (creating if needed) and recover the WAL in `directory`.
 
         Raises `WalCorrupt` if the log or hard state is damaged beyond a torn
@@ -491,10 +493,10 @@ class Wal:
         if segment_bytes < 1 or cache_entries < 0 or cache_bytes < 0:
             raise ValueError("segment_bytes must be >= 1, cache limits >= 0")
         path = Path(directory)
-        _make_dir(path, sync=fsync != "none")
-        lock_fd = _lock(path)
+        _make_dir(storage, path, sync=fsync != "none")
+        lock_fd = _lock(storage, path)
         wal = cls(path, fsync=fsync, segment_bytes=segment_bytes, cache_entries=cache_entries,
-                  cache_bytes=cache_bytes, lock_fd=lock_fd)
+                  cache_bytes=cache_bytes, lock_fd=lock_fd, storage=storage)
         try:
             wal._recover()
         except BaseException:
@@ -506,14 +508,15 @@ class Wal:
     def recover(cls, directory: str | os.PathLike[str], *, fsync: FsyncMode = "batch",
                 segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                 cache_entries: int = DEFAULT_CACHE_ENTRIES,
-                cache_bytes: int = DEFAULT_CACHE_BYTES) -> tuple[Wal, Recovered]:
+                cache_bytes: int = DEFAULT_CACHE_BYTES,
+                storage: Storage = OS_STORAGE) -> tuple[Wal, Recovered]:
         """`open`, and also read the whole log (from the snapshot point on).
 
         Fine when snapshots keep the log short; for a long log use `open`
         and stream `iter_entries()` instead.
         """
         wal = cls.open(directory, fsync=fsync, segment_bytes=segment_bytes,
-                       cache_entries=cache_entries, cache_bytes=cache_bytes)
+                       cache_entries=cache_entries, cache_bytes=cache_bytes, storage=storage)
         try:
             entries = wal.entries(wal.first_seq)
         except BaseException:
@@ -523,7 +526,7 @@ class Wal:
 
     @staticmethod
     def discard(directory: str | os.PathLike[str], hard_state: HardState | None = None, *,
-                fsync: bool = True) -> None:
+                fsync: bool = True, storage: Storage = OS_STORAGE) -> None:
         """Delete the log of a corrupt replica so it can re-sync from the leader.
 
         Keeps the hard-state file (the term must never go back), unless
@@ -533,24 +536,25 @@ class Wal:
         snapshot point stays; install the leader's snapshot with `reset`.
         """
         path = Path(directory)
-        lock_fd = _lock(path)
+        lock_fd = _lock(storage, path)
         try:
-            for _, seg_path in reversed(_list_segments(path)):
-                seg_path.unlink()
+            for _, seg_path in reversed(_list_segments(storage, path)):
+                storage.unlink(seg_path)
             if fsync:
-                fsync_dir(path)
+                storage.fsync_dir(path)
             if hard_state is not None:
-                _write_hard_state_file(path, hard_state, sync=fsync)
+                _write_hard_state_file(storage, path, hard_state, sync=fsync)
         finally:
-            os.close(lock_fd)
+            storage.close(lock_fd)
 
     def _recover(self) -> None:
         sync = self._sync_on
-        (self._dir / _HARD_STATE_TMP).unlink(missing_ok=True)  # a write that never got renamed
+        io = self._io
+        io.unlink(self._dir / _HARD_STATE_TMP, missing_ok=True)  # a write that never got renamed
         hs_path = self._dir / _HARD_STATE
-        hard = _decode_hard_state(hs_path, hs_path.read_bytes()) if hs_path.exists() else HardState()
+        hard = _decode_hard_state(hs_path, io.read_bytes(hs_path)) if io.exists(hs_path) else HardState()
         self._hard = hard
-        files = _list_segments(self._dir)
+        files = _list_segments(io, self._dir)
         tail: deque[tuple[Path, int, int, bytes]] = deque(maxlen=max(self._cache_entries, 1))
         use_cache = self._cache_entries > 0 and self._cache_bytes > 0
         prev_seq: int | None = None  # last seq seen so far
@@ -565,7 +569,7 @@ class Wal:
                                                  f"from the snapshot at {hard.snap_seq}")
             elif first_seq != prev_seq + 1:
                 raise WalCorrupt(path, None, f"expected a segment starting at seq {prev_seq + 1}")
-            data = path.read_bytes()
+            data = io.read_bytes(path)
             seg = _Segment(first_seq, path)
             n = len(data)
             view = memoryview(data)
@@ -631,7 +635,7 @@ class Wal:
                     # The hint is only written once what it covers is synced:
                     # this record reached the disk and was damaged after.
                     raise WalCorrupt(path, pos, f"{why} at seq {expect}, at or below the commit hint {hard.commit}")
-                os.truncate(path, pos)
+                io.truncate(path, pos)
                 # The bytes cut: the bad record, and anything written after it
                 # (not the free space after that).
                 torn_bytes, torn_segment = max(rec_end, pos + written) - pos, path.name
@@ -651,7 +655,7 @@ class Wal:
         removed: list[str] = []
         while segments and segments[0].last_seq <= hard.snap_seq:
             seg = segments.pop(0)
-            seg.path.unlink()
+            io.unlink(seg.path)
             removed.append(seg.path.name)
         last_seq = segments[-1].last_seq if segments else hard.snap_seq
         self._segments = segments
@@ -688,12 +692,12 @@ class Wal:
         self._cache_lo = kept[0][0].seq if kept else last_seq + 1
 
         if segments:
-            self._fd = os.open(segments[-1].path, os.O_WRONLY | os.O_CLOEXEC)
+            self._fd = io.open(segments[-1].path, os.O_WRONLY | os.O_CLOEXEC)
             if sync:
                 # Records that survived a SIGKILL may be only in the page cache.
-                os.fsync(self._fd)
+                io.fsync(self._fd)
         if sync:
-            fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
+            io.fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
         self.recovery = Recovery(torn_bytes=torn_bytes, torn_segment=torn_segment,
                                  removed_segments=tuple(removed), segments=len(segments))
 
@@ -822,7 +826,7 @@ class Wal:
         self._write_chunk(seg, parts, batch, pos)
         if self._fsync == "always":
             assert self._fd is not None
-            os.fdatasync(self._fd)
+            self._io.fdatasync(self._fd)
             self._dirty = False
 
     def _write_chunk(self, seg: _Segment, parts: list[bytes], batch: list[tuple[Entry, int]],
@@ -833,7 +837,7 @@ class Wal:
         try:
             if end > seg.alloc:
                 self._allocate(seg, end)
-            _pwrite_all(self._fd, b"".join(parts), seg.size)
+            _pwrite_all(self._io, self._fd, b"".join(parts), seg.size)
             seg.alloc = max(seg.alloc, end)
         except OSError:
             del seg.offsets[len(seg.offsets) - len(batch):]
@@ -870,12 +874,12 @@ class Wal:
     def _new_segment(self, first_seq: int) -> _Segment:
         path = self._dir / segment_name(first_seq)
         # O_EXCL: a leftover file of that name would mean our bookkeeping is wrong.
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._fd = self._io.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         seg = _Segment(first_seq, path)
         self._segments.append(seg)
         self._dirty = False
         if self._sync_on:
-            fsync_dir(self._dir)  # the new name must survive for its records to
+            self._io.fsync_dir(self._dir)  # the new name must survive for its records to
         return seg
 
     def _roll(self, first_seq: int) -> _Segment:
@@ -887,8 +891,8 @@ class Wal:
         # zeros anywhere else as damage).
         self._trim_allocation()
         if self._dirty and self._sync_on:
-            os.fdatasync(self._fd)
-        os.close(self._fd)
+            self._io.fdatasync(self._fd)
+        self._io.close(self._fd)
         self._fd = None
         return self._new_segment(first_seq)
 
@@ -899,7 +903,7 @@ class Wal:
         synced = False
         if self._dirty and self._fd is not None:
             if self._sync_on:
-                os.fdatasync(self._fd)
+                self._io.fdatasync(self._fd)
                 synced = True
             self._dirty = False
         return synced
@@ -945,23 +949,23 @@ class Wal:
         self._close_fd()
         # Delete from the end so a crash at any point leaves a contiguous prefix.
         for seg in reversed(drop):
-            seg.path.unlink()
+            self._io.unlink(seg.path)
         del self._segments[keep:]
         if drop and self._sync_on:
             # Before the cut below: the deleted segments must not come back
             # behind a shortened one.
-            fsync_dir(self._dir)
+            self._io.fsync_dir(self._dir)
         if self._segments:
             seg = self._segments[-1]
             index = seq + 1 - seg.first_seq
-            self._fd = os.open(seg.path, os.O_WRONLY | os.O_CLOEXEC)
+            self._fd = self._io.open(seg.path, os.O_WRONLY | os.O_CLOEXEC)
             if index < len(seg.offsets):
                 seg.size = seg.offsets[index]
-                os.ftruncate(self._fd, seg.size)
+                self._io.ftruncate(self._fd, seg.size)
                 seg.alloc = seg.size
                 del seg.offsets[index:]
                 if self._sync_on:
-                    os.fsync(self._fd)
+                    self._io.fsync(self._fd)
             # else: an earlier segment, fsynced when the log rolled past it.
         self._dirty = False
         cut = bisect_right(self._run_seq, seq)
@@ -998,7 +1002,7 @@ class Wal:
             seg = self._segments.pop(0)
             if not self._segments:
                 self._close_fd()
-            seg.path.unlink()
+            self._io.unlink(seg.path)
         self._drop_runs_before(seq)
         while self._cache_lo <= seq and self._cache:
             _, nbytes = self._cache.pop(self._cache_lo)
@@ -1021,10 +1025,10 @@ class Wal:
             raise ValueError("negative snapshot point")
         self._close_fd()
         for seg in reversed(self._segments):
-            seg.path.unlink()
+            self._io.unlink(seg.path)
         self._segments.clear()
         if self._sync_on:
-            fsync_dir(self._dir)
+            self._io.fsync_dir(self._dir)
         self._dirty = False
         self._commit = snap_seq
         self._write_hard_state(replace(self._hard, commit=snap_seq, snap_term=snap_term, snap_seq=snap_seq))
@@ -1037,7 +1041,7 @@ class Wal:
         self._last_term = snap_term
 
     def _write_hard_state(self, hs: HardState) -> None:
-        _write_hard_state_file(self._dir, hs, sync=self._sync_on)
+        _write_hard_state_file(self._io, self._dir, hs, sync=self._sync_on)
         self._hard = hs
 
     def _drop_runs_before(self, seq: int) -> None:
@@ -1099,7 +1103,7 @@ class Wal:
             if seg.end_of(j) - start > limit:
                 # Largest j' >= i whose records fit in `limit` (at least one record).
                 j = max(i, bisect_right(seg.offsets, start + limit, lo=i + 1) - 2)
-            data = _pread_exact(seg.path, seg.end_of(j) - start, start)
+            data = _pread_exact(self._io, seg.path, seg.end_of(j) - start, start)
             pos = 0
             for k in range(i, j + 1):
                 length, digest = _HEADER.unpack_from(data, pos)
@@ -1147,7 +1151,7 @@ class Wal:
         assert self._fd is not None
         target = max(end, min(seg.alloc + PREALLOC_BYTES, self._segment_bytes))
         try:
-            os.posix_fallocate(self._fd, seg.alloc, target - seg.alloc)
+            self._io.fallocate(self._fd, seg.alloc, target - seg.alloc)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -1160,21 +1164,21 @@ class Wal:
         """Give back the space allocated past the records of the active segment."""
         seg = self._segments[-1] if self._segments else None
         if seg is not None and self._fd is not None and \
-                (seg.alloc > seg.size or os.fstat(self._fd).st_size > seg.size):
-            os.ftruncate(self._fd, seg.size)
+                (seg.alloc > seg.size or self._io.fsize(self._fd) > seg.size):
+            self._io.ftruncate(self._fd, seg.size)
             seg.alloc = seg.size
             self._dirty = True
 
     def _close_fd(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            self._io.close(self._fd)
             self._fd = None
 
     def _release(self) -> None:
         self._closed = True
         self._close_fd()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # drops the flock
+            self._io.close(self._lock_fd)  # drops the flock
             self._lock_fd = None
 
     def __enter__(self) -> Wal:
@@ -1191,51 +1195,48 @@ class Wal:
 # ---------------------------------------------------------------- helpers
 
 
-def _list_segments(directory: Path) -> list[tuple[int, Path]]:
+def _list_segments(io: Storage, directory: Path) -> list[tuple[int, Path]]:
     found = []
-    for path in directory.iterdir():
-        m = _SEGMENT_RE.match(path.name)
+    for name in io.listdir(directory):
+        m = _SEGMENT_RE.match(name)
         if m:
-            found.append((int(m.group(1)), path))
+            found.append((int(m.group(1)), directory / name))
     found.sort()
     return found
 
 
-def _make_dir(path: Path, *, sync: bool) -> None:
-    if path.is_dir():
+def _make_dir(io: Storage, path: Path, *, sync: bool) -> None:
+    if io.is_dir(path):
         return
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in (path, *path.parents) if not io.exists(p)]
+    io.mkdir(path)
     if sync:
         # A new directory's name lives in its parent: make it durable too.
         for p in missing:
-            fsync_dir(p.parent)
+            io.fsync_dir(p.parent)
 
 
-def _lock(path: Path) -> int:
+def _lock(io: Storage, path: Path) -> int:
     # Two processes appending to one log would interleave records: take an
     # exclusive flock for as long as the Wal is open (released with the fd,
     # also when the process dies).
-    fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return io.lock(path / _LOCK)
     except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+        if exc.errno in LOCK_HELD_ERRNOS:
             raise WalError(f"{path} is in use by another WAL") from exc
         raise
-    return fd
 
 
-def _write_hard_state_file(directory: Path, hs: HardState, *, sync: bool) -> None:
+def _write_hard_state_file(io: Storage, directory: Path, hs: HardState, *, sync: bool) -> None:
     tmp = directory / _HARD_STATE_TMP
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        _write_all(fd, _encode_hard_state(hs))
+        _write_all(io, fd, _encode_hard_state(hs))
         if sync:
-            os.fsync(fd)
+            io.fsync(fd)
     finally:
-        os.close(fd)
-    os.replace(tmp, directory / _HARD_STATE)
+        io.close(fd)
+    io.replace(tmp, directory / _HARD_STATE)
     if sync:
-        fsync_dir(directory)
+        io.fsync_dir(directory)
