@@ -65,7 +65,7 @@ from worker.snapshot_fetch import FetchFailed, HttpSnapshotSource, SnapshotSourc
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
                               prune_snapshots, remove_snapshot, restore_snapshot, snapshot_at, valid_count,
                               valid_digest, write_snapshot)
-from worker.storage import OS_STORAGE, Storage
+from worker.storage import OS_STORAGE, Storage, make_dirs
 from worker.transport import Transport
 from worker.wal import Recovered, Wal, WalFailed
 
@@ -409,7 +409,7 @@ class GroupShell:
         from worker.wal import HardState, WalCorrupt
 
         io = self.storage
-        io.mkdir(self.root)
+        make_dirs(io, self.root)
         wal_dir = self.root / "wal"
         marker = self.root / RESYNC_MARKER
         try:
@@ -704,6 +704,10 @@ class GroupShell:
         if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
             # What the core re-synced on is durable now (persisted above).
             self.storage.unlink(self._resync_marker, missing_ok=True)
+            # Durably: a removal a power loss undoes makes the replica
+            # re-sync again and withhold its vote meanwhile, and with one
+            # more replica re-syncing that stalls a group of three for good.
+            self.storage.fsync_dir(self._resync_marker.parent)
             self._resync_marker = None
             self.log.info("resync_complete", last_seq=self.replica.last_seq)
         self._perform_in_order(effects[first:])
@@ -1018,7 +1022,7 @@ class GroupShell:
         term, seq, size, digest = published
         partial = self.snap_dir / f".download-{seq}-{term}.partial"
         try:
-            man = await self.snapshots.manifest(d.source)
+            man = await self.snapshots.manifest(d.source, seq)
             if man is None:
                 return
             if not isinstance(man, dict) or (man.get("term"), man.get("seq"), man.get("size"),
@@ -1030,7 +1034,7 @@ class GroupShell:
                                  manifest=str(man)[:200])
                 return
             io = self.storage
-            io.mkdir(self.snap_dir)
+            make_dirs(io, self.snap_dir)
             for name in io.listdir(self.snap_dir):
                 if name.startswith(".download-") and name.endswith(".partial") and name != partial.name:
                     # An earlier snapshot's, broken off: this one supersedes it.
@@ -1151,6 +1155,18 @@ class GroupShell:
 
     def latest_snapshot(self) -> SnapshotFile | None:
         return latest_snapshot(self.snap_dir, storage=self.storage)
+
+    def snapshot(self, seq: int | None = None) -> SnapshotFile | None:
+        """The archive at `seq` (the latest without one), if this replica holds it.
+
+        A download asks for the seq its source published, which is the
+        source's WAL snapshot point: a newer archive may exist beside it (a
+        capture whose Compact never reached the core, before a crash), and
+        serving only the latest would refuse that download until the next
+        snapshot, which an idle group never takes."""
+        if seq is None:
+            return self.latest_snapshot()
+        return snapshot_at(self.snap_dir, seq, storage=self.storage)
 
     def _scratch(self) -> Path:
         self.scratch.mkdir(parents=True, exist_ok=True)

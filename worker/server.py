@@ -629,10 +629,16 @@ class WorkerApi:
         return json_response({"accepted": True, "group": gid, "worker": self.node.id})
 
     async def snapshot_manifest(self, request: web.Request) -> web.Response:
+        """The snapshot at `?seq=` (the one a replication message published),
+        or the latest without it."""
         shell = self._group(request)
-        snap = shell.latest_snapshot()
+        raw = request.query.get("seq")
+        if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 20):
+            raise ApiError("bad_request", f"seq must be a non-negative integer, got {raw[:40]!r}")
+        snap = shell.snapshot(int(raw) if raw is not None else None)
         if snap is None:
-            raise ApiError("not_found", f"group {shell.gid} has no snapshot on {self.node.id}")
+            raise ApiError("not_found", f"group {shell.gid} has no snapshot{'' if raw is None else ' at ' + raw} "
+                           f"on {self.node.id}")
         return json_response({"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest})
 
     async def snapshot_data(self, request: web.Request) -> web.StreamResponse:
@@ -642,8 +648,9 @@ class WorkerApi:
         answered busy at once, and every download served shares the
         `snapshot_rate_mb_s` bucket."""
         shell = self._group(request)
-        snap = shell.latest_snapshot()
-        if snap is None or str(snap.seq) != request.match_info["seq"]:
+        raw = request.match_info["seq"]
+        snap = shell.snapshot(int(raw)) if raw.isascii() and raw.isdigit() and len(raw) <= 20 else None
+        if snap is None:
             raise ApiError("not_found", "that snapshot is gone; re-read the manifest")
         start, stop = _byte_range(request, snap.size)
         serving = self.node.snapshot_serving

@@ -48,8 +48,8 @@ class RangeBody:
 
 
 class SnapshotSource(Protocol):
-    async def manifest(self, source: str) -> Any:
-        """The source's latest snapshot as it describes it (a JSON-like
+    async def manifest(self, source: str, seq: int) -> Any:
+        """The source's snapshot at `seq` as it describes it (a JSON-like
         value, to be checked), or None when `source` is unknown here.
         Raises FetchFailed, or ValueError for an answer that is not a manifest."""
         ...
@@ -81,13 +81,14 @@ class HttpSnapshotSource:
                                                   middlewares=self.transport.middlewares)
         return f"{self.transport.scheme}://{addr}/v1/groups/{self.gid}/snapshot"
 
-    async def manifest(self, source: str) -> Any:
+    async def manifest(self, source: str, seq: int) -> Any:
         base = self._base(source)
         if base is None:
             return None
         assert self._session is not None
         try:
-            async with self._session.get(base, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._session.get(base, params={"seq": str(seq)},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 if resp.status != 200:
                     raise FetchFailed(f"manifest: HTTP {resp.status}")
                 return orjson.loads(await _read_bounded(resp, MAX_MANIFEST_BYTES))

@@ -36,7 +36,7 @@ import xxhash
 from shardgrid.common.wire import packb, unpackb
 from worker.codec import decode_snapshot_meta, encode_snapshot_meta
 from worker.replica_msgs import SnapshotMeta
-from worker.storage import OS_STORAGE, Storage
+from worker.storage import OS_STORAGE, Storage, make_dirs
 
 MAGIC = b"SGSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
@@ -178,7 +178,7 @@ def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path, *,
     moves only after this file is durable, and a crash in between must still
     find the snapshot the WAL points at.
     """
-    storage.mkdir(snap_dir)
+    make_dirs(storage, snap_dir)
     names = sorted(p.name for p in plugin_files.iterdir() if p.is_file())
     files = [[n, (plugin_files / n).stat().st_size] for n in names]
     header = packb({"meta": encode_snapshot_meta(meta), "files": files})
@@ -355,8 +355,18 @@ def restore_snapshot(path: Path, plugin: Restorable, expect_digest: str | None =
 
 def install_downloaded(snap_dir: Path, partial: Path, term: int, seq: int, digest: str, *,
                        storage: Storage = OS_STORAGE) -> SnapshotFile:
-    """Move a verified download into place as this replica's latest snapshot."""
+    """Move a verified download into place as this replica's latest snapshot.
+
+    Its bytes are made durable first: the name, made durable with the
+    digest beside it, must not outlive them in a power loss (the WAL's
+    snapshot point moves to it next, and the replica would have to re-sync
+    from nothing)."""
     final = snap_dir / _name(seq, term)
+    fd = storage.open(partial, os.O_RDONLY)
+    try:
+        storage.fsync(fd)
+    finally:
+        storage.close(fd)
     storage.replace(partial, final)
     _publish_digest(final, digest, storage)
     return SnapshotFile(final, seq, term, storage.size(final), digest)

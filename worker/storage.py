@@ -189,3 +189,17 @@ OS_STORAGE: Storage = OsStorage()
 
 # errno values `lock` raises when the lock is held elsewhere.
 LOCK_HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN)
+
+
+def make_dirs(io: Storage, path: Path, *, sync: bool = True) -> None:
+    """Create `path` and its missing parents, durably when `sync`: a new
+    directory's name lives in its parent, and until that parent is fsynced a
+    power loss may take the directory back, with every file in it, however
+    well those were synced."""
+    if io.is_dir(path):
+        return
+    missing = [p for p in (path, *path.parents) if not io.exists(p)]
+    io.mkdir(path)
+    if sync:
+        for p in missing:
+            io.fsync_dir(p.parent)

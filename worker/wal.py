@@ -115,7 +115,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, TypeV
 import msgpack
 from xxhash import xxh3_64_intdigest
 
-from worker.storage import LOCK_HELD_ERRNOS, OS_STORAGE, Storage
+from worker.storage import LOCK_HELD_ERRNOS, OS_STORAGE, Storage, make_dirs
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -493,7 +493,7 @@ class Wal:
         if segment_bytes < 1 or cache_entries < 0 or cache_bytes < 0:
             raise ValueError("segment_bytes must be >= 1, cache limits >= 0")
         path = Path(directory)
-        _make_dir(storage, path, sync=fsync != "none")
+        make_dirs(storage, path, sync=fsync != "none")
         lock_fd = _lock(storage, path)
         wal = cls(path, fsync=fsync, segment_bytes=segment_bytes, cache_entries=cache_entries,
                   cache_bytes=cache_bytes, lock_fd=lock_fd, storage=storage)
@@ -1203,17 +1203,6 @@ def _list_segments(io: Storage, directory: Path) -> list[tuple[int, Path]]:
             found.append((int(m.group(1)), directory / name))
     found.sort()
     return found
-
-
-def _make_dir(io: Storage, path: Path, *, sync: bool) -> None:
-    if io.is_dir(path):
-        return
-    missing = [p for p in (path, *path.parents) if not io.exists(p)]
-    io.mkdir(path)
-    if sync:
-        # A new directory's name lives in its parent: make it durable too.
-        for p in missing:
-            io.fsync_dir(p.parent)
 
 
 def _lock(io: Storage, path: Path) -> int:

@@ -66,10 +66,10 @@ from tests.support.sim_loop import InlineExecutor, VirtualTimeLoop
 from tests.support.sim_storage import SimCrash, SimStorage
 from worker import replica_msgs as m
 from worker.codec import decode_message, encode_message
-from worker.group import GroupSettings, GroupShell, ShellRuntime
+from worker.group import RESYNC_MARKER, GroupSettings, GroupShell, ShellRuntime
 from worker.plugins.base import NotFound, load_plugin
 from worker.snapshot_fetch import FetchFailed, RangeBody, SourceBusy
-from worker.wal import _HEADER, HEADER_BYTES  # the sim walks records to damage one
+from worker.wal import _HEADER, _SEGMENT_RE, HEADER_BYTES  # the sim walks records to damage one
 
 GROUP = 0
 ROOT = Path("/sim")
@@ -157,6 +157,15 @@ class SimShell(GroupShell):
         self.sim.on_apply(self.node, entries)
         super()._apply(entries)
 
+    def _restore_downloaded(self, snap: Any, now: int) -> list[m.Effect]:
+        effects = super()._restore_downloaded(snap, now)
+        r = self.replica
+        if r is not None and r.applied_seq > self.node.applied:
+            self.sim.stats["snapshot_installed"] += 1
+            self.sim.log(f"INSTALLED {self.node.name} snapshot {r.applied_seq}")
+            self.node.applied = r.applied_seq
+        return effects
+
 
 class _Hooks:
     def __init__(self, sim: ShellSim, node: SimNode) -> None:
@@ -201,14 +210,14 @@ class _Snapshots:
         self.sim = sim
         self.node = node
 
-    async def manifest(self, source: str) -> Any:
+    async def manifest(self, source: str, seq: int) -> Any:
         src = self.sim.nodes.get(source)
         await asyncio.sleep(self.sim.rng.randint(1, 10) / 1000)
         if src is None or not src.up or src.shell is None or self.sim.cut_between(source, self.node.name):
             raise FetchFailed(f"{source} unreachable")
-        snap = src.shell.latest_snapshot()
+        snap = src.shell.snapshot(seq)
         if snap is None:
-            raise FetchFailed(f"{source} has no snapshot")
+            raise FetchFailed(f"{source} has no snapshot at {seq}")
         return {"seq": snap.seq, "term": snap.term, "size": snap.size, "digest": snap.digest}
 
     @contextlib.asynccontextmanager
@@ -221,8 +230,8 @@ class _Snapshots:
         if rng.random() < sim.p.download_busy:
             sim.stats["download_busy"] += 1
             raise SourceBusy(source)
-        snap = src.shell.latest_snapshot()
-        if snap is None or snap.seq != seq:
+        snap = src.shell.snapshot(seq)
+        if snap is None:
             raise FetchFailed("that snapshot is gone")
         data = bytearray(src.storage.read_bytes(snap.path)[start:])
         if data and rng.random() < sim.p.download_flip:
@@ -301,7 +310,7 @@ def _plant(name: str) -> Iterator[None]:
                         raise
                     self._io.truncate(path, offset)
                     for name_ in sorted(self._io.listdir(self._dir)):
-                        if name_.endswith(".wal") and name_ > path.name:
+                        if _SEGMENT_RE.match(name_) and name_ > path.name:
                             self._io.unlink(self._dir / name_)
                     self._segments, self._run_seq, self._run_term = [], [], []
         patch(wal.Wal, "_recover", recover)
@@ -333,6 +342,7 @@ class ShellSim:
         self.p = draw_params(self.rng)
         self.verbose = verbose
         self.loop = VirtualTimeLoop()
+        self.loop.set_exception_handler(self._loop_error)
         self.stats: Counter[str] = Counter()
         self.trace: list[str] = []
         self.names = [f"n{i}" for i in range(self.p.nodes)]
@@ -350,6 +360,7 @@ class ShellSim:
         self.calm = False
         self.written: dict[str, int] = {}  # item id -> the n its doc holds
         self.next_id = 0
+        self.writers = 0  # client writes not yet answered for good
         self.failure: BaseException | None = None
         self.settings = GroupSettings(fsync="batch", snapshot_every=self.p.snapshot_every, quorum_timeout_ms=1000,
                                       lease_ms=300, segment_bytes=self.p.segment_bytes)
@@ -369,8 +380,12 @@ class ShellSim:
             print(line)
 
     def fail(self, text: str) -> NoReturn:
-        raise SimViolation(f"seed {self.seed}{' plant ' + self.plant if self.plant else ''} "
-                           f"t={self.now}: {text}")
+        exc = SimViolation(f"seed {self.seed}{' plant ' + self.plant if self.plant else ''} t={self.now}: {text}")
+        if self.failure is None:
+            # Raised inside the shell's loop too, which would only mark its group failed.
+            self.failure = exc
+            self.loop.stop()
+        raise exc
 
     def spawn(self, coro: Any, node: SimNode | None = None) -> None:
         task = self.loop.create_task(coro)
@@ -378,6 +393,14 @@ class ShellSim:
         if node is not None:
             node.tasks.add(task)
             task.add_done_callback(node.tasks.discard)
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, SimCrash):
+            return  # a dead process's callback
+        if self.failure is None:
+            self.failure = exc if isinstance(exc, BaseException) else RuntimeError(context.get("message"))
+            loop.stop()
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled():
@@ -393,9 +416,15 @@ class ShellSim:
     # -- run ------------------------------------------------------------------------
 
     def run(self) -> ShellSim:
-        with _planted(self.plant), structlog.testing.capture_logs():
+        # A replay shows the shells' own log lines between the simulator's.
+        quiet = contextlib.nullcontext() if self.verbose else structlog.testing.capture_logs()
+        with _planted(self.plant), quiet:
             try:
-                self.loop.run_until_complete(self._main())
+                try:
+                    self.loop.run_until_complete(self._main())
+                except RuntimeError:
+                    if self.failure is None:
+                        raise
                 if self.failure is not None:
                     raise self.failure
             finally:
@@ -425,11 +454,11 @@ class ShellSim:
             if not node.up:
                 self.start(node)
         limit = self.now + 30_000
-        while not self.converged():
+        # Every client gets its answer (retrying as it would), then the group settles.
+        while self.writers or not self.converged():
             if self.now > limit:
-                self.fail(f"did not converge in 30 s: {self.status()}")
+                self.fail(f"did not converge in 30 s ({self.writers} writes unanswered): {self.status()}")
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # in-flight client answers land
         self.final_checks()
 
     def status(self) -> str:
@@ -468,6 +497,14 @@ class ShellSim:
         except SimCrash:
             self.log(f"CRASH {node.name} while opening")
             self.crashed(node)
+            return
+        except OSError as exc:
+            # The worker retries a group that failed to open on its disk (worker/retry.py).
+            self.log(f"OPEN FAILED {node.name}: {exc}")
+            self.stats["open_failed_on_disk"] += 1
+            node.up = False
+            node.storage.kill()
+            self.loop.call_later(self.rng.randint(20, 200) / 1000, self.restart, node, False)
             return
         r = shell.replica
         assert r is not None
@@ -520,9 +557,24 @@ class ShellSim:
             node.storage.power_loss(mode=self.rng.choice(self.p.power_modes))  # type: ignore[arg-type]
         else:
             node.storage.kill()
-        if not self.calm and self.rng.random() < self.p.corrupt:
+        if not self.calm and self.rng.random() < self.p.corrupt and not self.any_resyncing():
+            # One damaged log at a time: a second one before the first has
+            # re-synced is a double fault a group of 3 may not survive
+            # (neither re-syncing replica votes), safely but for good.
             node.damaged = self.damage(node)
         self.start(node)
+
+    def any_resyncing(self) -> bool:
+        for node in self.nodes.values():
+            if node.damaged is not None:
+                return True
+            r = node.shell.replica if node.shell is not None else None
+            if r is not None and r.resyncing:
+                return True
+            # The marker goes with the first pass that persists after the re-sync.
+            if node.storage.exists(ROOT / node.name / RESYNC_MARKER):
+                return True
+        return False
 
     def damage(self, node: SimNode) -> tuple[str, int] | None:
         """Flip a byte in a synced WAL record that recovery must read and report:
@@ -531,7 +583,7 @@ class ShellSim:
         wal_dir = ROOT / node.name / "wal"
         if not io.exists(wal_dir):
             return None
-        segs = sorted(n for n in io.listdir(wal_dir) if n.endswith(".wal"))
+        segs = sorted(n for n in io.listdir(wal_dir) if _SEGMENT_RE.match(n))
         choices: list[tuple[str, int, int]] = []
         for i, name in enumerate(segs):
             data = io.read_bytes(wal_dir / name)
@@ -576,7 +628,10 @@ class ShellSim:
     def on_apply(self, node: SimNode, entries: tuple[m.Entry, ...]) -> None:
         for e in entries:
             self.commits.in_order(node.name, e.seq, node.applied)
-            self.commits.applied(node.name, e.seq, (e.term, e.seq, e.kind, repr(e.data)), m.entry_rids(e))
+            key = (e.term, e.seq, e.kind, repr(e.data))
+            if self.verbose:
+                self.log(f"APPLY {node.name} {key}")
+            self.commits.applied(node.name, e.seq, key, m.entry_rids(e))
             node.applied = e.seq
 
     def on_ready(self, node: SimNode, term: int) -> None:
@@ -688,9 +743,16 @@ class ShellSim:
         while not self.calm:
             await asyncio.sleep(self.rng.expovariate(self.p.writes_per_s))
             if not self.calm:
+                self.writers += 1
                 self.spawn(self.client_write())
 
     async def client_write(self) -> None:
+        try:
+            await self._write_one()
+        finally:
+            self.writers -= 1
+
+    async def _write_one(self) -> None:
         self.next_id += 1
         i = self.next_id
         rid, item = f"r{i}", f"k{i}"

@@ -173,6 +173,27 @@ class SimStorage:
         self._dead = False
         self._crash_in = None
 
+    def die(self) -> None:
+        """The process is dead from now on: every call raises SimCrash until
+        `kill()` or `power_loss()` (a simulator killing it between two calls)."""
+        self._dead = True
+
+    def settle(self) -> None:
+        """What worker/retry.py's `settle_from_disk` does before a group is
+        reopened in place: every file and directory fsynced through a new
+        descriptor (what is pending becomes durable; what a failed fsync
+        forgot does not come back), then the page cache dropped."""
+        self._alive()
+        for d in self._dirs:
+            for op in d.pending:
+                _apply_name(d.durable, op)
+            d.pending.clear()
+            d.volatile = dict(d.durable)
+        for ino in self._inodes:
+            ino.durable = _replay(ino.durable, ino.pending)
+            ino.pending.clear()
+            ino.volatile = bytearray(ino.durable)
+
     def power_loss(self, rng: random.Random | None = None, mode: PowerLossMode = "prefix") -> None:
         """The machine loses power: only what is durable (and what survives by luck) stays."""
         rng = rng or self.rng

@@ -535,9 +535,9 @@ async def test_the_snapshot_thread_writes_the_archive_and_the_install_only_moves
     # state) held every write of the group for tens of milliseconds.
     archived: list[tuple[str, int]] = []
 
-    def recording(snap_dir: Path, meta: m.SnapshotMeta, files: Path) -> Any:
+    def recording(snap_dir: Path, meta: m.SnapshotMeta, files: Path, **kw: Any) -> Any:
         archived.append((threading.current_thread().name, meta.seq))
-        return write_snapshot(snap_dir, meta, files)
+        return write_snapshot(snap_dir, meta, files, **kw)
     monkeypatch.setattr("worker.group.write_snapshot", recording)
     g = await _single_voter(tmp_path, snapshot_every=5)
     try:
@@ -575,11 +575,11 @@ async def test_a_failed_archive_write_is_dropped_and_the_next_point_tries_again(
     # cost no more than a failed plugin write does.
     failures: list[int] = []
 
-    def full_disk_once(snap_dir: Path, meta: m.SnapshotMeta, files: Path) -> Any:
+    def full_disk_once(snap_dir: Path, meta: m.SnapshotMeta, files: Path, **kw: Any) -> Any:
         if not failures:
             failures.append(meta.seq)
             raise OSError(28, "No space left on device")
-        return write_snapshot(snap_dir, meta, files)
+        return write_snapshot(snap_dir, meta, files, **kw)
     monkeypatch.setattr("worker.group.write_snapshot", full_disk_once)
     g = await _single_voter(tmp_path, snapshot_every=5)
     try:

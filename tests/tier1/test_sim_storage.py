@@ -257,8 +257,6 @@ def test_snapshot_archives_on_sim_storage_survive_crashes(tmp_path: Path) -> Non
     assert got.size == snap.size and [s.seq for s in list_snapshots(snaps, storage=disk)] == [20, 30]
 
 
-@pytest.mark.xfail(strict=True, reason="write_snapshot (and GroupShell) create the snapshot directory without "
-                                       "fsyncing its parent: a power loss can take a finished snapshot away")
 def test_a_snapshot_in_a_fresh_directory_survives_a_power_loss(tmp_path: Path) -> None:
     from worker.snapshots import list_snapshots, write_snapshot
 

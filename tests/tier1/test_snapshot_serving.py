@@ -46,6 +46,9 @@ class _Replica:
     def latest_snapshot(self) -> SnapshotFile:
         return self.snap
 
+    def snapshot(self, seq: int | None = None) -> SnapshotFile | None:
+        return self.snap if seq is None or seq == self.snap.seq else None
+
 
 def _archive(root: Path, seq: int = 7) -> SnapshotFile:
     files = root / "plugin"
