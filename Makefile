@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: dev test tier1 tier3 clean
+.PHONY: dev test tier1 tier3 sim clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,14 @@ tier1: $(STAMP)
 
 tier3: $(STAMP)
 	$(VENV)/bin/pytest -q tests/tier3
+
+# The shell simulator (tests/support/shell_sim.py): SEEDS=N seeds, or SEED=S
+# alone with its trace; SHARDGRID_SIM_PLANT=NAME plants a known bug (it must fail).
+SEEDS ?= 200
+SEED ?=
+sim: $(STAMP)
+	SHARDGRID_SHELL_SIM_SEEDS=$(SEEDS) SHARDGRID_SHELL_SIM_SEED=$(SEED) \
+		$(VENV)/bin/pytest -q -p no:cacheprovider tests/tier1/test_shell_sim.py -k test_seeds
 
 clean:
 	rm -rf $(VENV) data/dev

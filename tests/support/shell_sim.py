@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import random
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -74,7 +75,7 @@ from worker.wal import _HEADER, _SEGMENT_RE, HEADER_BYTES  # the sim walks recor
 GROUP = 0
 ROOT = Path("/sim")
 PLANTS = ("early-ack", "ignore-fsync-error", "skip-corrupt", "unverified-snapshot")
-REPLAY_HINT = "SHARDGRID_SIM_SEED={seed}{plant} make sim"
+REPLAY_HINT = "{plant}make sim SEED={seed}"
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -238,6 +239,9 @@ class _Snapshots:
             data[rng.randrange(len(data))] ^= rng.randint(1, 255)  # a source (or a link) that lies
             sim.stats["download_flipped"] += 1
         cut = rng.randrange(len(data) + 1) if data and rng.random() < sim.p.download_cut else None
+        if not sim.calm and rng.random() < sim.p.midop / 2:
+            # Somewhere in writing what arrives, checking it, or installing it.
+            sim.arm_crash(self.node, rng.randint(1, 8))
         yield RangeBody(start, self._chunks(bytes(data), cut))
 
     async def _chunks(self, data: bytes, cut: int | None) -> AsyncIterator[bytes]:
@@ -512,24 +516,32 @@ class ShellSim:
             self.fail(f"{node.name}: WAL record damaged at {damaged[0]}:{damaged[1]} after it was synced, "
                       f"and recovery did not report it")
         node.applied = r.applied_seq
+        if shell.wal is not None and shell.wal.recovery.torn_bytes:
+            self.stats["torn_tail_truncated"] += 1
         self.log(f"START {node.name} term={r.term} last=({r.last_term},{r.last_seq}) applied={r.applied_seq} "
                  f"resync={r.resyncing}")
         if not self.calm and self.rng.random() < self.p.midop:
-            left = self.rng.randint(1, self.p.midop_within)
-
-            def hook(op: str, node: SimNode = node) -> bool:
-                nonlocal left
-                left -= 1
-                if left:
-                    return False
-                self.stats[f"crash_in_{op}"] += 1
-                self.log(f"CRASH {node.name} in {op}")
-                self.loop.call_soon(self.crashed, node)
-                return True
-            io.crash_hook = hook
+            self.arm_crash(node, self.rng.randint(1, self.p.midop_within))
         shell.start()
         self.spawn(self.watch(node, node.inc), node)
         self.loop.call_later(self.rng.randint(1, 20) / 1000, self.deliver_view, node)
+
+    def arm_crash(self, node: SimNode, within: int) -> None:
+        """`node`'s disk kills it at its `within`-th mutating call from now."""
+        left = within
+
+        def hook(op: str) -> bool:
+            nonlocal left
+            left -= 1
+            if left:
+                return False
+            where = _crash_site()
+            self.stats[f"crash_in_{op}"] += 1
+            self.stats[f"crash_during_{where}"] += 1
+            self.log(f"CRASH {node.name} in {op} during {where}")
+            self.loop.call_soon(self.crashed, node)
+            return True
+        node.storage.crash_hook = hook
 
     def crashed(self, node: SimNode, power: bool | None = None) -> None:
         """`node` dies now (its disk decides what it keeps when it restarts)."""
@@ -803,6 +815,8 @@ class ShellSim:
                     doc = plugin.query({"kind": "get_item", "id": item})
                 except NotFound:
                     doc = None
+                except ValueError as exc:  # a stored doc that no longer decodes: damaged state
+                    self.fail(f"{node.name}: item {item} is unreadable: {exc}")
                 if item in acked_items and doc != {"n": n}:
                     self.fail(f"{node.name}: acknowledged item {item} reads {doc!r}")
                 if doc is not None and item not in committed:
@@ -811,6 +825,21 @@ class ShellSim:
                     self.fail(f"{node.name}: item {item} reads {doc!r}, written as {{'n': {n}}}")
         self.stats["acked"] = len(self.commits.acked)
         self.stats["committed"] = self.commits.last
+
+
+# What a crash interrupted, innermost first: the shell's and the WAL's steps
+# whose every crash point recovery must survive.
+_SITES = ("_roll", "_recover", "_install_snapshot_point", "_restore_downloaded", "_write_hard_state_file", "truncate_after", "compact_through", "reset", "append",
+          "install_downloaded", "_fetch", "write_snapshot", "prune_snapshots", "_write_marker", "_open")
+
+
+def _crash_site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _SITES:
+            return frame.f_code.co_name.lstrip("_")
+        frame = frame.f_back  # type: ignore[assignment]
+    return "other"
 
 
 def _records(data: bytes) -> Iterator[tuple[int, int]]:
@@ -830,5 +859,5 @@ def run_seed(seed: int, plant: str | None = None, verbose: bool = False) -> Shel
 
 
 def replay_hint(seed: int, plant: str | None = None) -> str:
-    return REPLAY_HINT.format(seed=seed, plant=f" SHARDGRID_SIM_PLANT={plant}" if plant else "")
+    return REPLAY_HINT.format(seed=seed, plant=f"SHARDGRID_SIM_PLANT={plant} " if plant else "")
 
