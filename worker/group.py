@@ -335,7 +335,7 @@ class GroupShell:
         self.snap_dir = root / "snapshots"
         self.scratch = rt.scratch if rt.scratch is not None else self.snap_dir
         self.snapshots: SnapshotSource = (rt.snapshots(self) if rt.snapshots is not None
-                                          else HttpSnapshotSource(gid, transport, hooks.peer_addr))
+                                          else HttpSnapshotSource(gid, transport, lambda worker: self.hooks.peer_addr(worker)))
         # Told how long each WAL fdatasync took (the worker's histogram).
         self.on_sync: Callable[[float], None] | None = None
         self.wal: Wal | None = None

@@ -282,6 +282,7 @@ def _guarded(method: _F) -> _F:
             return method(self, *args, **kwargs)
         except OSError as exc:
             self._failed = exc
+            self._drop_unsynced()
             raise
 
     return wrapper  # type: ignore[return-value]
@@ -459,6 +460,7 @@ class Wal:
         self._segments: list[_Segment] = []
         self._fd: int | None = None  # append fd of self._segments[-1]
         self._dirty = False  # written to the active segment since its last fsync
+        self._synced_end = 0  # the active segment's size at its last fsync (see _drop_unsynced)
         self._hard = HardState()
         self._commit = 0  # in-memory commit hint, >= self._hard.commit
         self._last_seq = 0
@@ -696,6 +698,7 @@ class Wal:
             if sync:
                 # Records that survived a SIGKILL may be only in the page cache.
                 io.fsync(self._fd)
+            self._synced_end = segments[-1].size
         if sync:
             io.fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
         self.recovery = Recovery(torn_bytes=torn_bytes, torn_segment=torn_segment,
@@ -827,7 +830,7 @@ class Wal:
         if self._fsync == "always":
             assert self._fd is not None
             self._io.fdatasync(self._fd)
-            self._dirty = False
+            self._synced()
 
     def _write_chunk(self, seg: _Segment, parts: list[bytes], batch: list[tuple[Entry, int]],
                      end: int) -> None:
@@ -877,7 +880,7 @@ class Wal:
         self._fd = self._io.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         seg = _Segment(first_seq, path)
         self._segments.append(seg)
-        self._dirty = False
+        self._synced()
         if self._sync_on:
             self._io.fsync_dir(self._dir)  # the new name must survive for its records to
         return seg
@@ -905,8 +908,31 @@ class Wal:
             if self._sync_on:
                 self._io.fdatasync(self._fd)
                 synced = True
-            self._dirty = False
+            self._synced()
         return synced
+
+    def _synced(self) -> None:
+        """What the active segment holds is durable now."""
+        self._dirty = False
+        self._synced_end = self._segments[-1].size if self._segments else 0
+
+    def _drop_unsynced(self) -> None:
+        """After a disk error: cut the active segment back to what its last
+        fsync made durable. A failed fsync leaves the pages it could not
+        write in the page cache, marked clean: a process that dies before
+        the worker's retry drops them (worker/retry.py) would be followed
+        by one that reads them back as its log, and recovery's own fsync
+        would not write them. The replica would then count towards a quorum
+        for entries no disk holds. Nothing after that size was ever
+        acknowledged (the durability contract waits for the fsync), so
+        nothing is lost by cutting it; a power loss may still leave a torn
+        tail there, which recovery cuts."""
+        if self._fd is None or not self._segments:
+            return  # (a write that failed part-way may have left bytes past the segment's size: cut those too)
+        try:
+            self._io.ftruncate(self._fd, self._synced_end)
+        except OSError:
+            pass  # the disk refuses even that: recovery rescans whatever is there
 
     @_guarded
     def set_hard_state(self, term: int | None = None, commit: int | None = None) -> None:
@@ -967,7 +993,7 @@ class Wal:
                 if self._sync_on:
                     self._io.fsync(self._fd)
             # else: an earlier segment, fsynced when the log rolled past it.
-        self._dirty = False
+        self._synced()
         cut = bisect_right(self._run_seq, seq)
         del self._run_seq[cut:], self._run_term[cut:]
         self._last_seq = seq
@@ -1029,7 +1055,7 @@ class Wal:
         self._segments.clear()
         if self._sync_on:
             self._io.fsync_dir(self._dir)
-        self._dirty = False
+        self._synced()
         self._commit = snap_seq
         self._write_hard_state(replace(self._hard, commit=snap_seq, snap_term=snap_term, snap_seq=snap_seq))
         self._run_seq.clear()

@@ -145,7 +145,8 @@ class SimNode:
     inc: int = 0
     applied: int = 0  # the last seq this incarnation applied (or restored)
     damaged: tuple[str, int] | None = None  # (segment, offset) flipped while down: recovery must report it
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Insertion-ordered (a dict, not a set): cancelling in hash order would not replay.
+    tasks: dict[asyncio.Task[Any], None] = field(default_factory=dict)
 
 
 class SimShell(GroupShell):
@@ -395,8 +396,8 @@ class ShellSim:
         task = self.loop.create_task(coro)
         task.add_done_callback(self._task_done)
         if node is not None:
-            node.tasks.add(task)
-            task.add_done_callback(node.tasks.discard)
+            node.tasks[task] = None
+            task.add_done_callback(lambda t: node.tasks.pop(t, None))
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
