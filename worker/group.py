@@ -52,7 +52,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
 import xxhash
 
@@ -112,6 +112,14 @@ def now_ms() -> int:
     # stepped or skewed wall clock moves none of them. The core never compares
     # it with another process's (entries carry log time: see worker/replica.py).
     return time.monotonic_ns() // 1_000_000
+
+
+class PeerSender(Protocol):
+    """Where a shell's messages to its peers go: fire and forget (the core
+    retransmits what is lost). The worker's `Transport` (peer streams) or the
+    simulator's network."""
+
+    def send(self, msg: m.Message) -> None: ...
 
 
 class GroupHooks(Protocol):
@@ -316,7 +324,7 @@ class GroupCorrupt(Exception):
 
 class GroupShell:
     def __init__(self, node_id: str, gid: int, root: Path, plugin: Plugin, settings: GroupSettings,
-                 transport: Transport, hooks: GroupHooks, log: Any, stats: PassStats | None = None,
+                 transport: PeerSender, hooks: GroupHooks, log: Any, stats: PassStats | None = None,
                  runtime: ShellRuntime | None = None) -> None:
         rt = runtime if runtime is not None else ShellRuntime()
         self.runtime = rt
@@ -334,8 +342,10 @@ class GroupShell:
         self.log = log.bind(group=gid)
         self.snap_dir = root / "snapshots"
         self.scratch = rt.scratch if rt.scratch is not None else self.snap_dir
-        self.snapshots: SnapshotSource = (rt.snapshots(self) if rt.snapshots is not None
-                                          else HttpSnapshotSource(gid, transport, lambda worker: self.hooks.peer_addr(worker)))
+        self.snapshots: SnapshotSource = (
+            rt.snapshots(self) if rt.snapshots is not None
+            # Without a source of its own the shell downloads over the worker's peer connections.
+            else HttpSnapshotSource(gid, cast(Transport, transport), lambda worker: self.hooks.peer_addr(worker)))
         # Told how long each WAL fdatasync took (the worker's histogram).
         self.on_sync: Callable[[float], None] | None = None
         self.wal: Wal | None = None
