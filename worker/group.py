@@ -65,7 +65,7 @@ from worker.snapshot_fetch import FetchFailed, HttpSnapshotSource, SnapshotSourc
 from worker.snapshots import (SnapshotCorrupt, SnapshotFile, file_digest, install_downloaded, latest_snapshot,
                               prune_snapshots, remove_snapshot, restore_snapshot, snapshot_at, valid_count,
                               valid_digest, write_snapshot)
-from worker.storage import OS_STORAGE, Storage, make_dirs
+from worker.storage import OS_STORAGE, Storage, make_dirs, write_all
 from worker.transport import Transport
 from worker.wal import Recovered, Wal, WalFailed
 
@@ -1063,7 +1063,8 @@ class GroupShell:
                 self.snapshot_refused += 1
                 self.log.warning("snapshot_digest_mismatch", source=d.source, seq=seq, published=digest, got=got)
                 return
-            snap = install_downloaded(self.snap_dir, partial, term, seq, digest, storage=io)
+            # Off the loop: its fsync writes the whole download out.
+            snap = await asyncio.to_thread(install_downloaded, self.snap_dir, partial, term, seq, digest, storage=io)
             self.log.info("snapshot_downloaded", source=d.source, seq=seq, bytes=size,
                           seconds=round((self.now_ms() - started) / 1000, 3), busy_waits=progress.busy_waits)
             self.deliver(_Restore(snap))
@@ -1108,7 +1109,7 @@ class GroupShell:
                             # sends more is refused, not written to disk.
                             if progress.received + len(chunk) > progress.total:
                                 raise SourceOverran(f"sent more than the published {progress.total} bytes")
-                            io.write(fd, chunk)
+                            write_all(io, fd, chunk)
                             progress.received += len(chunk)
                     finally:
                         io.close(fd)
@@ -1243,7 +1244,7 @@ def _write_marker(io: Storage, path: Path, why: str) -> None:
     # fsync), or a power loss could leave the log discarded and no marker.
     fd = io.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        io.write(fd, (why + "\n").encode())
+        write_all(io, fd, (why + "\n").encode())
         io.fsync(fd)
     finally:
         io.close(fd)

@@ -36,7 +36,7 @@ import xxhash
 from shardgrid.common.wire import packb, unpackb
 from worker.codec import decode_snapshot_meta, encode_snapshot_meta
 from worker.replica_msgs import SnapshotMeta
-from worker.storage import OS_STORAGE, Storage, make_dirs
+from worker.storage import OS_STORAGE, Storage, make_dirs, write_all
 
 MAGIC = b"SGSNAP1\n"
 _HEADER_LEN = struct.Struct("<I")
@@ -125,14 +125,6 @@ class _ArchiveReader:
         self.close()
 
 
-def _write_all(storage: Storage, fd: int, data: bytes) -> None:
-    # A regular-file write is short only on ENOSPC or a signal: loop so that
-    # the error surfaces from the next call.
-    view = memoryview(data)
-    while view:
-        view = view[storage.write(fd, view):]
-
-
 # What Python's open(..., "w"/"wb") passes to open(2); O_CLOEXEC as Python's
 # files are non-inheritable.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
@@ -147,7 +139,7 @@ def _publish_digest(final: Path, digest: str, storage: Storage) -> None:
     tmp = side.with_name(side.name + ".tmp")
     fd = storage.open(tmp, _CREATE, 0o666)
     try:
-        _write_all(storage, fd, digest.encode("ascii"))
+        write_all(storage, fd, digest.encode("ascii"))
         storage.fsync(fd)
     finally:
         storage.close(fd)
@@ -189,13 +181,13 @@ def write_snapshot(snap_dir: Path, meta: SnapshotMeta, plugin_files: Path, *,
     try:
         # The small header pieces in one write, as a buffered file did.
         head = MAGIC + _HEADER_LEN.pack(len(header)) + header
-        _write_all(storage, out, head)
+        write_all(storage, out, head)
         h.update(head)
         unsynced = 0
         for n in names:
             with open(plugin_files / n, "rb") as src:
                 while chunk := src.read(_CHUNK):
-                    _write_all(storage, out, chunk)
+                    write_all(storage, out, chunk)
                     h.update(chunk)
                     unsynced += len(chunk)
                     if unsynced >= _SYNC_EVERY:

@@ -203,3 +203,12 @@ def make_dirs(io: Storage, path: Path, *, sync: bool = True) -> None:
     if sync:
         for p in missing:
             io.fsync_dir(p.parent)
+
+
+def write_all(io: Storage, fd: int, data: bytes | memoryview) -> None:
+    """All of `data`: a regular-file write(2) is short only on ENOSPC/EFBIG or
+    a signal, and looping makes a short write surface as the OSError of the
+    next call instead of a hole."""
+    view = memoryview(data)
+    while view:
+        view = view[io.write(fd, view):]

@@ -115,7 +115,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, TypeV
 import msgpack
 from xxhash import xxh3_64_intdigest
 
-from worker.storage import LOCK_HELD_ERRNOS, OS_STORAGE, Storage, make_dirs
+from worker.storage import LOCK_HELD_ERRNOS, OS_STORAGE, Storage, make_dirs, write_all
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -336,15 +336,6 @@ def _peek_term_seq(data: bytes, pos: int, end: int) -> tuple[int, int] | None:
     return out[0], out[1]
 
 
-def _write_all(io: Storage, fd: int, data: bytes) -> None:
-    # A regular-file write(2) is short only on ENOSPC/EFBIG or a signal;
-    # loop so that a short write surfaces as the OSError of the next call.
-    view = memoryview(data)
-    while view:
-        written = io.write(fd, view)
-        view = view[written:]
-
-
 def _pwrite_all(io: Storage, fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
@@ -460,7 +451,8 @@ class Wal:
         self._segments: list[_Segment] = []
         self._fd: int | None = None  # append fd of self._segments[-1]
         self._dirty = False  # written to the active segment since its last fsync
-        self._synced_end = 0  # the active segment's size at its last fsync (see _drop_unsynced)
+        # (first seq, size) of the active segment at its last fsync (see _drop_unsynced).
+        self._synced_at: tuple[int, int] | None = None
         self._hard = HardState()
         self._commit = 0  # in-memory commit hint, >= self._hard.commit
         self._last_seq = 0
@@ -698,7 +690,7 @@ class Wal:
             if sync:
                 # Records that survived a SIGKILL may be only in the page cache.
                 io.fsync(self._fd)
-            self._synced_end = segments[-1].size
+            self._synced_at = (segments[-1].first_seq, segments[-1].size)
         if sync:
             io.fsync_dir(self._dir)  # deletions above, and a rename a SIGKILL interrupted
         self.recovery = Recovery(torn_bytes=torn_bytes, torn_segment=torn_segment,
@@ -914,7 +906,8 @@ class Wal:
     def _synced(self) -> None:
         """What the active segment holds is durable now."""
         self._dirty = False
-        self._synced_end = self._segments[-1].size if self._segments else 0
+        seg = self._segments[-1] if self._segments else None
+        self._synced_at = (seg.first_seq, seg.size) if seg is not None else None
 
     def _drop_unsynced(self) -> None:
         """After a disk error: cut the active segment back to what its last
@@ -927,10 +920,16 @@ class Wal:
         acknowledged (the durability contract waits for the fsync), so
         nothing is lost by cutting it; a power loss may still leave a torn
         tail there, which recovery cuts."""
-        if self._fd is None or not self._segments:
-            return  # (a write that failed part-way may have left bytes past the segment's size: cut those too)
+        seg = self._segments[-1] if self._segments else None
+        # Only the segment the synced size was taken of: another one (an
+        # earlier segment reopened by truncate_after) was synced whole. A
+        # write that failed part-way may have left bytes past the segment's
+        # size: those go too.
+        if self._fd is None or seg is None or self._synced_at is None or self._synced_at[0] != seg.first_seq:
+            return
         try:
-            self._io.ftruncate(self._fd, self._synced_end)
+            if self._io.fsize(self._fd) > self._synced_at[1]:  # never grow a file a truncation cut
+                self._io.ftruncate(self._fd, self._synced_at[1])
         except OSError:
             pass  # the disk refuses even that: recovery rescans whatever is there
 
@@ -985,6 +984,9 @@ class Wal:
             seg = self._segments[-1]
             index = seq + 1 - seg.first_seq
             self._fd = self._io.open(seg.path, os.O_WRONLY | os.O_CLOEXEC)
+            if drop:
+                # An earlier segment, synced whole when the log rolled past it.
+                self._synced_at = (seg.first_seq, seg.size)
             if index < len(seg.offsets):
                 seg.size = seg.offsets[index]
                 self._io.ftruncate(self._fd, seg.size)
@@ -1247,7 +1249,7 @@ def _write_hard_state_file(io: Storage, directory: Path, hs: HardState, *, sync:
     tmp = directory / _HARD_STATE_TMP
     fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        _write_all(io, fd, _encode_hard_state(hs))
+        write_all(io, fd, _encode_hard_state(hs))
         if sync:
             io.fsync(fd)
     finally:

@@ -54,6 +54,7 @@ import random
 import shutil
 import sys
 import tempfile
+import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -349,7 +350,8 @@ class ShellSim:
         self.loop = VirtualTimeLoop()
         self.loop.set_exception_handler(self._loop_error)
         self.stats: Counter[str] = Counter()
-        self.trace: list[str] = []
+        self.trace: list[str] = []  # its last lines (all of them with verbose)
+        self.digest = 0  # of every line and every apply: equal digests, equal runs
         self.names = [f"n{i}" for i in range(self.p.nodes)]
         self._scratch = Path(tempfile.mkdtemp(prefix="shellsim-"))
         self.nodes = {n: SimNode(n, SimStorage(random.Random(self.rng.random())), self._scratch / n)
@@ -378,6 +380,7 @@ class ShellSim:
 
     def log(self, text: str) -> None:
         line = f"{self.now:7d} {text}"
+        self.digest = zlib.crc32(line.encode(), self.digest)
         self.trace.append(line)
         if len(self.trace) > 400:
             del self.trace[:100]
@@ -613,9 +616,12 @@ class ShellSim:
         return name, offset
 
     async def watch(self, node: SimNode, inc: int) -> None:
-        """What the worker does about a failed group: on a disk error,
-        reopen it in place once the disk answers again (worker/retry.py);
-        anything else stopped a replica on a bug."""
+        """What the worker does about a failed group (worker/process.py
+        `_retry_group`): on a disk error, once the disk answers, close the
+        failed shell, sync what is on disk and drop its cache
+        (worker/retry.py `settle_from_disk`), and open the group again in
+        the same process, backing off while any of that fails. A replica
+        that stops on anything else stopped on a bug."""
         while node.up and node.inc == inc:
             await asyncio.sleep(0.02)
             shell = node.shell
@@ -623,18 +629,23 @@ class ShellSim:
                 continue
             if not shell.failed_on_disk:
                 self.fail(f"{node.name} stopped on a bug: {shell.failed}")
+            self.log(f"FAILED {node.name}: {shell.failed}")
+            delay = 0.02
+            while True:
+                await asyncio.sleep(self.rng.uniform(delay, 2 * delay))
+                if not node.up or node.inc != inc:
+                    return  # crashed meanwhile: its restart opens the group
+                try:
+                    await shell.close()
+                    node.storage.settle()
+                    break
+                except OSError as exc:
+                    self.log(f"RETRY {node.name} failed: {exc}")
+                    self.stats["reopen_retried"] += 1
+                    delay = min(delay * 2, 0.5)
             self.stats["reopened_after_disk_error"] += 1
-            self.log(f"FAILED {node.name}: {shell.failed}; reopening in place")
-            await asyncio.sleep(self.rng.randint(20, 200) / 1000)
-            if not node.up or node.inc != inc:
-                return
+            self.log(f"REOPEN {node.name}")
             node.up = False
-            node.storage.die()
-            for task in (shell._task, shell._download, shell._meta_check):
-                if task is not None:
-                    task.cancel()
-            node.storage.kill()
-            node.storage.settle()  # worker/retry.py settle_from_disk: synced, cache dropped
             self.start(node)
             return
 
@@ -642,6 +653,7 @@ class ShellSim:
         for e in entries:
             self.commits.in_order(node.name, e.seq, node.applied)
             key = (e.term, e.seq, e.kind, repr(e.data))
+            self.digest = zlib.crc32(f"{self.now} {node.name} {e.term} {e.seq}".encode(), self.digest)
             if self.verbose:
                 self.log(f"APPLY {node.name} {key}")
             self.commits.applied(node.name, e.seq, key, m.entry_rids(e))
@@ -806,7 +818,6 @@ class ShellSim:
         return True
 
     def final_checks(self) -> None:
-        self.commits.final_checks()
         acked_items = {f"k{rid[1:]}" for rid in self.commits.acked}
         committed = {f"k{rid[1:]}" for rids in self.commits.rids for rid in rids}
         for node in self.nodes.values():

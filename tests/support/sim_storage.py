@@ -81,6 +81,8 @@ _Node = Union[_Inode, _Dir]
 class _Fd:
     inode: _Inode
     pos: int = 0
+    append: bool = False  # O_APPEND: every write goes to the end of the file
+    writable: bool = True
 
 
 def _apply(data: bytearray, op: _DataOp) -> None:
@@ -312,7 +314,8 @@ class SimStorage:
         if flags & os.O_TRUNC and node.volatile:
             self._data_op(node, ("trunc", 0))
         fd, self._next_fd = self._next_fd, self._next_fd + 1
-        self._fds[fd] = _Fd(node)
+        self._fds[fd] = _Fd(node, append=bool(flags & os.O_APPEND),
+                            writable=flags & os.O_ACCMODE != os.O_RDONLY)
         return fd
 
     def close(self, fd: int) -> None:
@@ -328,6 +331,8 @@ class SimStorage:
         ino.pending.append(op)
 
     def _write_check(self, name: str, f: _Fd, data: bytes | memoryview, offset: int) -> None:
+        if not f.writable:
+            raise OSError(errno.EBADF, "not open for writing")
         if self._mutating(name):
             cut = bytes(data[:self.rng.randint(0, len(data))])  # a write cut in the middle
             if cut:
@@ -339,6 +344,8 @@ class SimStorage:
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         f = self._fd(fd)
+        if f.append:
+            f.pos = len(f.inode.volatile)
         self._write_check("write", f, data, f.pos)
         self._data_op(f.inode, ("write", f.pos, bytearray(data)))
         f.pos += len(data)
@@ -470,5 +477,8 @@ class SimStorage:
         d = self._dir(path)
         if self._mutating("fsync_dir"):
             raise SimCrash("fsync_dir")
+        if self.fsync_fail_rate and self.rng.random() < self.fsync_fail_rate:
+            # The names stay pending: a later fsync of the directory may still make them durable.
+            raise OSError(errno.EIO, "injected directory fsync failure")
         d.durable = dict(d.volatile)
         d.pending.clear()

@@ -53,7 +53,7 @@ def test_an_unknown_plant_is_refused() -> None:
 
 def test_a_seed_replays_exactly() -> None:
     a, b = run_seed(11), run_seed(11)
-    assert a.trace == b.trace and a.stats == b.stats and a.stats["acked"] > 0
+    assert a.digest == b.digest and a.trace == b.trace and a.stats == b.stats and a.stats["acked"] > 0
 
 
 def test_runs_exercise_the_shell() -> None:

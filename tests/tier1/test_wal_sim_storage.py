@@ -352,3 +352,27 @@ def test_a_full_disk_fails_the_append_and_the_log_recovers() -> None:
         assert rec.entries == kept
         wal.append([(1, wal.last_seq + 1, b"after")])
         wal.close()
+
+
+def test_a_failed_fsync_in_truncate_after_keeps_the_synced_entries_it_was_asked_to_keep() -> None:
+    # truncate_after reopens an earlier segment, synced whole; a failed fsync
+    # of its cut must not cut it further to the size the deleted segment had
+    # (found by review: _drop_unsynced cut synced entries).
+    for seed in range(10):
+        disk = SimStorage(random.Random(seed))
+        wal = Wal.open(D, storage=disk, segment_bytes=2000)
+        wal.set_hard_state(term=1)
+        for s in range(1, 41):
+            wal.append([(1, s, b"x" * 100)])
+            wal.sync()
+        prev = wal._segments[-2]
+        keep = prev.first_seq + (seed % len(prev.offsets))
+        disk.fail_next_fsync()
+        with pytest.raises(OSError):
+            wal.truncate_after(keep)
+        wal.close()
+        disk.settle()  # the worker's retry: what is there synced, the cache dropped
+        wal, rec = Wal.recover(D, storage=disk)
+        wal.close()
+        assert rec.entries and rec.entries[-1].seq >= keep, (seed, keep, rec.entries[-1:])
+        assert [e.seq for e in rec.entries] == list(range(1, rec.entries[-1].seq + 1))
