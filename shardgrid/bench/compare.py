@@ -91,10 +91,13 @@ def format_compare(r: dict[str, Any]) -> str:
     lines = [r["command"]]
     mode = f"open loop at {c['rate']:g} req/s" if c["rate"] else f"closed loop, concurrency {c['concurrency']}"
     what = f"/batch of {batch} (etcd: txn of {batch} puts)" if batch else "single puts"
-    order = ", ".join(t for _, t in schedule(c["target"], 2))
+    many = len(round_targets(c["target"])) > 1
+    order = (f"{c['rounds']} round(s) per target interleaved ("
+             + ", ".join(t for _, t in schedule(c["target"], 2)) + ", ...)") if many else \
+        f"{c['rounds']} round(s) of {c['target']}"
     lines.append(f"  {mode}, {c['duration_s']:g} s per round"
                  + (f" after {c['warmup_s']} s warm-up" if c["warmup_s"] else "")
-                 + f", {c['rounds']} round(s) per target interleaved ({order}, ...), {what}, "
+                 + f", {order}, {what}, "
                  f"{c['value_bytes']}-byte values, client {client_label(c['client'])}")
     lines.append(f"  {'round':<6}{'target':<11}{'client':<15}{'req/s':>9}{'records/s':>11}{'errors':>8}"
                  f"{'p50 ms':>8}{'p99 ms':>8}{'CPU µs/write':>14}")
@@ -110,12 +113,12 @@ def format_compare(r: dict[str, Any]) -> str:
     lines.append(f"  median of {c['rounds']} round(s)".ljust(26) + "".join(h.rjust(width) for h in heads)
                  + ("shardgrid/etcd".rjust(16) if ratio else ""))
     rows = [("req/s", "ops_per_s", ",.0f"), ("p50 ms", "p50_ms", ".2f"), ("p99 ms", "p99_ms", ".2f"),
-            ("CPU µs per ack. write", "us_per_acked_write", ",.0f")]
+            ("CPU µs per ack. write", "us_per_acked_write", ",.0f"), ("client CPU s", "client_cpu_s", ".2f")]
     if batch:
         rows.insert(1, ("records/s", "records_per_s", ",.0f"))
     for label, key, fmt in rows:
         vals = "".join(_num(r["targets"][t]["median"][key], fmt).rjust(width) for t in targets)
-        tail = _num(ratio[key], ".2f").rjust(16) if ratio else ""
+        tail = _num(ratio.get(key), ".2f").rjust(16) if ratio and key in ratio else ""
         lines.append(f"  {label:<24}{vals}{tail}")
     errs = "".join(f"{r['targets'][t]['median']['errors']:,}".rjust(width) for t in targets)
     lines.append(f"  {'errors (all rounds)':<24}{errs}")

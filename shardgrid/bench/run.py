@@ -5,6 +5,7 @@
     shardgrid bench --gateway http://10.0.0.5:8080 --rate 5000 --procs 2 --json out.json
     shardgrid bench --cluster local --topology examples/layers.yaml --mix infer=100 --concurrency 16
     shardgrid bench --target inproc --topology examples/layers.yaml --mix infer=100 --concurrency 16
+    shardgrid bench --cluster local --target both --client wrk --concurrency 64 --batch 100
 
 The parent process starts the cluster under test when asked (`--cluster
 local`: a LocalCluster, or a 3-member etcd, in a temporary data directory,
@@ -13,6 +14,10 @@ always stopped afterwards, also on Ctrl-C, SIGTERM or errors), spawns
 their once-a-second ticks (stats.py) into the progress lines and the
 totals, samples the CPU time of the cluster's processes before and after
 (cpu.py), then prints the report and writes it as JSON (`--json`).
+
+`--target both` and `--client wrk` run in rounds instead (compare.py:
+shardgrid and etcd side by side, medians of interleaved rounds; wrk.py: the
+native load generator and its Lua scripts).
 
 Figures: achieved ops/s (and records/s with --batch) over the measured part
 of the run, errors by code, latency percentiles of successful operations

@@ -221,6 +221,14 @@ def test_side_by_side_report() -> None:
     assert next(ln for ln in lines if "errors (all rounds)" in ln).split()[-2:] == ["0", "0"]
     batched = format_compare(_compare_result(batch=100))
     assert "/batch of 100 (etcd: txn of 100 puts)" in batched
+    assert next(ln for ln in batched.splitlines() if "client CPU s" in ln).split()[-2:] == ["0.50", "0.50"]
+    # One target (--client wrk --target etcd): its rounds, no ratio.
+    one = _compare_result(batch=0)
+    one["config"]["target"], one["ratio"] = "etcd", None
+    del one["targets"]["shardgrid"]
+    one_text = format_compare(one)
+    assert "3 round(s) of etcd" in one_text and "shardgrid/etcd" not in one_text
+    assert next(ln for ln in one_text.splitlines() if ln.strip().startswith("req/s")).split() == ["req/s", "6,000"]
     assert next(ln for ln in batched.splitlines() if ln.strip().startswith("records/s")).split() == [
         "records/s", "30,000", "60,000", "0.50"]
 
