@@ -188,13 +188,15 @@ def run_compare(opts: BenchOptions, out: TextIO | None = sys.stdout) -> dict[str
 
 
 def _wrk_round(opts: BenchOptions, cfg: Any, env: ClusterEnv, round_no: int) -> dict[str, Any]:
+    import random
+
     from shardgrid.bench.load import make_value
     from shardgrid.bench.wrk import Workload, run_wrk, summarize
 
-    import random
-
+    # Fresh keys per round and target: w<run id><s|e><round><thread><counter>
     w = Workload(target=cfg.target, doc=make_value(cfg.value_bytes, random.Random(cfg.seed)),
-                 key_prefix=f"w{cfg.run_id}{cfg.target[0]}{round_no}", batch=cfg.batch, ack=cfg.ack, deadline_ms=cfg.deadline_ms)
+                 key_prefix=f"w{cfg.run_id}{cfg.target[0]}{round_no}", batch=cfg.batch, ack=cfg.ack,
+                 deadline_ms=cfg.deadline_ms)
     urls = list(env.urls)
     if cfg.warmup_s:
         run_wrk(replace(w, key_prefix=w.key_prefix + "w"), urls, cfg.concurrency, cfg.warmup_s, cfg.timeout_s)
