@@ -5,6 +5,7 @@
     shardgrid bench --gateway http://10.0.0.5:8080 --rate 5000 --procs 2 --json out.json
     shardgrid bench --cluster local --topology examples/layers.yaml --mix infer=100 --concurrency 16
     shardgrid bench --target inproc --topology examples/layers.yaml --mix infer=100 --concurrency 16
+    shardgrid bench --cluster local --target both --client wrk --concurrency 64 --batch 100
 
 The parent process starts the cluster under test when asked (`--cluster
 local`: a LocalCluster, or a 3-member etcd, in a temporary data directory,
@@ -13,6 +14,10 @@ always stopped afterwards, also on Ctrl-C, SIGTERM or errors), spawns
 their once-a-second ticks (stats.py) into the progress lines and the
 totals, samples the CPU time of the cluster's processes before and after
 (cpu.py), then prints the report and writes it as JSON (`--json`).
+
+`--target both` and `--client wrk` run in rounds instead (compare.py:
+shardgrid and etcd side by side, medians of interleaved rounds; wrk.py: the
+native load generator and its Lua scripts).
 
 Figures: achieved ops/s (and records/s with --batch) over the measured part
 of the run, errors by code, latency percentiles of successful operations
@@ -71,10 +76,12 @@ class BenchUsageError(BenchError):
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     kinds = ", ".join(f"{k} ({v})" for k, v in KINDS.items())
-    p.add_argument("--target", choices=TARGETS, default="shardgrid",
+    p.add_argument("--target", choices=(*TARGETS, "both"), default="shardgrid",
                    help="what to drive: shardgrid gateways, or etcd for comparison through its JSON gateway "
                         "(etcd) or its native gRPC API (etcd-grpc), or inproc: --topology's model computed in "
-                        "the generator's own process, no cluster (with --mix infer=100 only) (default shardgrid)")
+                        "the generator's own process, no cluster (with --mix infer=100 only), or both: shardgrid "
+                        "and etcd (JSON gateway) with --cluster local, in interleaved --rounds, side by side "
+                        "(default shardgrid)")
     p.add_argument("--cluster", choices=("local", "none"), default="none",
                    help="local: start a cluster for the run in a temp dir and stop it afterwards; "
                         "none (default): drive the running one at --gateway")
@@ -103,9 +110,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="generator processes (one client tops out near 15k req/s); histograms are merged")
     p.add_argument("--max-inflight", type=int, default=10_000,
                    help="open loop: most requests outstanding at once, all processes (default 10000)")
-    p.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
+    p.add_argument("--client", choices=("raw", "aiohttp", "wrk"), default="raw",
                    help="HTTP client of the generator: raw (lean keep-alive HTTP/1.1, shardgrid/bench/http_client.py; "
-                        "about a fifth of aiohttp's CPU per request) or aiohttp (default raw)")
+                        "about a fifth of aiohttp's CPU per request) or aiohttp, both Python generator processes; "
+                        "or wrk: the native load generator wrk (2 threads, a Lua script per workload; closed "
+                        "loop, --mix put=100 with or without --batch, only) (default raw)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="--target both / --client wrk: rounds per target, interleaved between the targets; "
+                        "the report gives each target's median (default 3 with --target both, else 1)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="client timeout per request (default 10)")
     p.add_argument("--embedding-dim", type=int, default=None,
                    help="vector length for embed/search (default: the local topology's, else 64)")
@@ -168,6 +180,12 @@ class BenchOptions:
     topology_text: str | None = None
     # extra arguments of every worker of --cluster local (--infer-max-rows, --infer-max-wait-ms)
     worker_args: list[str] = field(default_factory=list)
+    # --target both / --client wrk: rounds per target (compare.py)
+    rounds: int = 1
+
+    @property
+    def compare(self) -> bool:
+        return self.load.target == "both" or self.load.client == "wrk"
 
 
 def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchOptions:
@@ -177,7 +195,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
     target = args.target
     try:
         mix = parse_mix(args.mix)
-        check_mix_for_target(mix, target)
+        check_mix_for_target(mix, "etcd" if target == "both" else target)
     except MixError as exc:
         raise bad(str(exc)) from None
     if args.duration <= 0:
@@ -208,8 +226,9 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         raise bad("--timeout must be > 0")
     if args.search_k < 1:
         raise bad("--search-k must be >= 1")
+    rounds = check_rounds_and_wrk(args, mix)
     infer = read_infer_options(args, mix)
-    if target in ETCD_TARGETS:
+    if target in (*ETCD_TARGETS, "both"):
         if args.ack not in (None, "quorum"):
             raise bad(f"--ack {args.ack} has no etcd equivalent: etcd acknowledges a put once a quorum has it")
         if args.deadline_ms is not None:
@@ -241,7 +260,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         if any(x is not None for x in (args.cluster_pids_from, args.cluster_pids, args.cluster_pgrep)):
             raise bad("--cluster-pids-from/--cluster-pids/--cluster-pgrep are for a running cluster; "
                       "--cluster local accounts for the processes it starts")
-        if target == "shardgrid":
+        if target in ("shardgrid", "both"):
             if infer.topo is not None:
                 given = [f for f, v in (("--workers", args.workers), ("--shards", args.shards), ("--rf", args.rf),
                                         ("--fsync", args.fsync), ("--snapshot-every", args.snapshot_every))
@@ -260,11 +279,13 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                 raise bad(f"--rf {rf} needs 1..--workers ({workers})")
             if args.snapshot_every is not None and args.snapshot_every < 1:
                 raise bad("--snapshot-every must be >= 1")
-        elif args.snapshot_every is not None:
+        if target != "shardgrid" and target != "both" and args.snapshot_every is not None:
             raise bad("--snapshot-every is a shardgrid setting")
-        elif args.fsync == "none":
+        if target != "shardgrid" and args.fsync == "none":
             raise bad("--fsync none: this etcd (3.4) cannot turn fsync off")
     else:
+        if target == "both":
+            raise bad("--target both starts a shardgrid cluster and an etcd for the run: add --cluster local")
         if args.snapshot_every is not None:
             raise bad("--snapshot-every sets up the cluster of --cluster local")
         if infer.worker_args:
@@ -294,7 +315,40 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                         keep_data=args.keep_data, pids_from=args.cluster_pids_from, pids=args.cluster_pids,
                         pgrep=args.cluster_pgrep, json_path=args.json, quiet=args.quiet,
                         command=" ".join(["shardgrid", "bench", *map(shlex.quote, argv or [])]), mix_spec=args.mix,
-                        topology_path=args.topology, topology_text=infer.text, worker_args=infer.worker_args)
+                        topology_path=args.topology, topology_text=infer.text, worker_args=infer.worker_args,
+                        rounds=rounds)
+
+
+def check_rounds_and_wrk(args: argparse.Namespace, mix: dict[str, float]) -> int:
+    """The rounds of --target both / --client wrk, and what wrk cannot do (BenchUsageError)."""
+    bad = BenchUsageError
+    compare = args.target == "both" or args.client == "wrk"
+    if args.rounds is not None:
+        if not compare:
+            raise bad("--rounds repeats the runs of --target both or --client wrk")
+        if not 1 <= args.rounds <= 100:
+            raise bad("--rounds must be between 1 and 100")
+    rounds = args.rounds if args.rounds is not None else 3 if args.target == "both" else 1
+    if args.client != "wrk":
+        return rounds
+    python = "use the Python client (--client raw)"
+    if args.rate is not None:
+        raise bad(f"--client wrk runs a closed loop only (wrk has no open loop at a fixed rate): drop --rate, or "
+                  f"{python} for an open loop")
+    if args.target not in ("shardgrid", "etcd", "both"):
+        raise bad(f"--client wrk drives shardgrid's gateway or etcd's JSON gateway (--target shardgrid, etcd or "
+                  f"both), not --target {args.target}")
+    if list(mix) != ["put"]:
+        raise bad(f"--client wrk sends one workload: single puts (--mix put=100) or, with --batch N, batches of "
+                  f"puts; --mix {args.mix} is not that: {python}")
+    if args.procs != 1:
+        raise bad("--client wrk runs its own 2 threads in one process: drop --procs")
+    if args.duration != int(args.duration):
+        raise bad("--client wrk: --duration is in whole seconds (wrk's -d)")
+    conc = args.concurrency if args.concurrency is not None else 16
+    if conc > 1 and conc % 2:
+        raise bad("--client wrk shares the connections between 2 threads: --concurrency must be even (or 1)")
+    return rounds
 
 
 @dataclass
@@ -1006,7 +1060,12 @@ def main_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> i
     from meta.client import MetaError, MetaUnreachable
 
     try:
-        result = run_bench(opts)
+        if opts.compare:
+            from shardgrid.bench.compare import run_compare
+
+            result = run_compare(opts, None if opts.quiet else sys.stdout)
+        else:
+            result = run_bench(opts)
     except BenchUsageError as exc:
         sys.stderr.write(f"shardgrid bench: {exc}\n")
         return 2
@@ -1020,7 +1079,12 @@ def main_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> i
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     print()
-    print(format_report(result))
+    if opts.compare:
+        from shardgrid.bench.compare import format_compare
+
+        print(format_compare(result))
+    else:
+        print(format_report(result))
     if opts.json_path:
         write_json(opts.json_path, result)
         print(f"  result JSON  {opts.json_path}")
