@@ -197,11 +197,53 @@ from worker.replica_msgs import (
 
 __all__ = ["Replica"]
 
-# Leadership phases, in order.  Only "ready" admits writes and strong reads.
-_BEGIN = "begin"  # collecting BeginOk from a majority
-_FETCH = "fetch"  # copying the most up-to-date log of that majority
-_STARTING = "starting"  # term-start entry appended, not yet committed
-_READY = "ready"
+# Leadership phases, in order.  Only _Ready admits writes and strong reads.
+# Each holds only what means something in that phase, so that state left over
+# from an earlier phase cannot be read by mistake (slots: an AttributeError).
+
+
+@dataclass(slots=True)
+class _Begin:
+    """Collecting BeginOk from a majority."""
+
+    retry_at: int = 0  # when Begin goes again to those that have not promised
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """Copying the most up-to-date log of the majority that promised."""
+
+    src: str  # the voter that promised that log
+    goal: tuple[int, int]  # (term, seq) of its last entry, as promised
+    prev: int  # our next Fetch asks for what follows this seq
+    heard_at: int  # the source's last answer: silent for lease_ms, we ask a majority again
+    retry_at: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Starting:
+    """Term-start entry appended, not yet committed."""
+
+    term_start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """Term-start entry committed: every earlier leader's acknowledged write is
+    in our committed log, so writes and strong reads are admitted."""
+
+
+_Phase = _Begin | _Fetch | _Starting | _Ready
+
+# The only phase changes there are (h11's _state.py style); _Leadership.enter
+# refuses any other, as a bug.  A failed fetch goes back to collecting
+# promises; a leader leaves _Ready only by stepping down (the _Leadership goes).
+_TRANSITIONS: dict[type, frozenset[type]] = {
+    _Begin: frozenset({_Fetch, _Starting}),  # _Starting: we hold the best log already
+    _Fetch: frozenset({_Begin, _Starting}),
+    _Starting: frozenset({_Ready}),
+    _Ready: frozenset(),
+}
 
 
 @dataclass(slots=True)
@@ -249,26 +291,32 @@ class _Leadership:
 
     quorums: tuple[tuple[str, ...], ...]  # Begin needs a majority of each
     begin_to: tuple[str, ...]
+    # The fields below span phases.  started_at and promised belong to the
+    # latest Begin round, yet outlive it: _Fetch and after report who never
+    # promised (unheard_voters), and a follower's progress, made in
+    # _Starting or later, counts a promise as a round trip and its log end
+    # as a likely match point.
     started_at: int  # when the Begin round (re)started
-    phase: str = _BEGIN
+    phase: _Phase = field(default_factory=_Begin)  # changed only by enter()
+    promised: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Log time: entries are stamped ts_base + (now - now_base) (see "Log time").
+    # Set on entering _Starting, read by every append after it.
     ts_base: int = 0
     now_base: int = 0
-    # Check-quorum: False while no majority has answered within lease_ms.
+    # Check-quorum applies in every phase (each phase decides what counts as
+    # contact: _quorum_contact).  False while no majority answered within lease_ms.
     quorum_ok: bool = True
     quorum_lost_at: int | None = None
     # Until then the quorum holds even if no reply comes (0: look now). Every
     # event asks; this keeps the answer a comparison on the write path.
     quorum_until: int = 0
-    fetch_heard_at: int = 0  # the fetch source's last answer (FETCH)
-    retry_at: int = 0
-    promised: dict[str, tuple[int, int]] = field(default_factory=dict)
-    fetch_src: str = ""
-    fetch_goal: tuple[int, int] = (0, 0)
-    fetch_prev: int = 0
-    term_start_seq: int = 0
-    progress: dict[str, _Progress] = field(default_factory=dict)
+    # Heartbeats go out in every phase (to begin_to while collecting promises
+    # or fetching, so voters do not report us silent), on one schedule.
     next_heartbeat: int = 0
+    # Leading proper (_Starting, _Ready).  Empty before: the handlers that
+    # read them in earlier phases (heartbeat replies, a lost quorum failing
+    # waiters) then find nothing to do.
+    progress: dict[str, _Progress] = field(default_factory=dict)
     notice_at: int | None = None  # when a follower that lags our commit is told it
     waiters: dict[int, list[_WriteWaiter]] = field(default_factory=dict)
     waiter_seqs: list[int] = field(default_factory=list)  # heap of keys of `waiters`
@@ -282,6 +330,18 @@ class _Leadership:
     next_reads: list[_Read] = field(default_factory=list)
     confirmed_reads: list[_Read] = field(default_factory=list)
     transfer: _Transfer | None = None
+
+    @property
+    def ready(self) -> bool:
+        return isinstance(self.phase, _Ready)
+
+    def enter(self, phase: _Phase) -> None:
+        """Move to `phase`: the one place a phase changes."""
+        if type(phase) not in _TRANSITIONS[type(self.phase)]:
+            raise AssertionError(
+                f"leadership phase {type(self.phase).__name__} -> {type(phase).__name__} is not a transition"
+            )
+        self.phase = phase
 
 
 _HANDLERS: dict[type, str] = {
@@ -382,14 +442,14 @@ class Replica:
     def role(self) -> str:
         lead = self._lead
         if lead is not None:
-            return "leader" if lead.phase == _READY else "candidate"
+            return "leader" if lead.ready else "candidate"
         if self._id in self._config().learners:
             return "learner"
         return "follower"
 
     @property
     def ready(self) -> bool:
-        return self._lead is not None and self._lead.phase == _READY
+        return self._lead is not None and self._lead.ready
 
     @property
     def has_quorum(self) -> bool:
@@ -405,7 +465,7 @@ class Replica:
         lead = self._lead
         if lead is None:
             return ()
-        if lead.phase in (_BEGIN, _FETCH):
+        if isinstance(lead.phase, (_Begin, _Fetch)):
             return tuple(v for v in lead.begin_to if v not in lead.promised)
         now, lease = self._now, self._cfg.lease_ms
         return tuple(v for v in self._config().voters
@@ -457,7 +517,7 @@ class Replica:
         before it restores the plugin, so that a snapshot the core would
         ignore never replaces applied state."""
         lead = self._lead
-        return seq > self._applied and (lead is None or lead.phase == _FETCH)
+        return seq > self._applied and (lead is None or isinstance(lead.phase, _Fetch))
 
     @property
     def snapshot_seq(self) -> int:
@@ -571,11 +631,11 @@ class Replica:
 
     def _quorum_contact(self, lead: _Leadership) -> bool:
         """Has this leader heard from a majority of its voters within lease_ms?"""
-        if lead.phase == _BEGIN:
+        if isinstance(lead.phase, _Begin):
             return self._now - lead.started_at < self._cfg.lease_ms
-        if lead.phase == _FETCH:
+        if isinstance(lead.phase, _Fetch):
             # A majority promised; the fetch goes to one of them, and a source
-            # silent for a lease sends us back to BEGIN (_on_tick).
+            # silent for a lease sends us back to _Begin (_on_tick).
             return True
         return self._contact_majority(lead, self._config().voters)
 
@@ -872,7 +932,9 @@ class Replica:
         for peer in lead.begin_to:
             if peer not in lead.promised:
                 self._send(Begin(src=self._id, dst=peer, group=self._group, term=self._term))
-        lead.retry_at = self._now + self._cfg.retry_ms
+        phase = lead.phase
+        assert isinstance(phase, _Begin)
+        phase.retry_at = self._now + self._cfg.retry_ms
 
     def _on_begin(self, m: Begin) -> None:
         if self._lead is not None and m.term == self._term:
@@ -897,7 +959,7 @@ class Replica:
 
     def _on_begin_ok(self, m: BeginOk) -> None:
         lead = self._lead
-        if lead is None or m.term != self._term or lead.phase != _BEGIN:
+        if lead is None or m.term != self._term or not isinstance(lead.phase, _Begin):
             return
         lead.promised[m.src] = (m.last_term, m.last_seq)
         self._maybe_finish_begin()
@@ -916,32 +978,30 @@ class Replica:
         if (bt, bs) == (self.last_term, self.last_seq):
             self._start_replicating()
             return
-        lead.phase = _FETCH
+        lead.enter(_Fetch(src=best, goal=(bt, bs), prev=self._find_conflict_by_term(bs, bt), heard_at=self._now))
         lead.quorum_until = 0
-        lead.fetch_heard_at = self._now
-        lead.fetch_src = best
-        lead.fetch_goal = (bt, bs)
-        lead.fetch_prev = self._find_conflict_by_term(bs, bt)
         self._send_fetch()
 
     # ------------------------------------------------------------------
-    # Adopting the best log (phase "fetch")
+    # Adopting the best log (phase _Fetch)
 
     def _send_fetch(self) -> None:
         lead = self._lead
         assert lead is not None
-        prev = lead.fetch_prev
+        phase = lead.phase
+        assert isinstance(phase, _Fetch)
+        prev = phase.prev
         self._send(
             Fetch(
                 src=self._id,
-                dst=lead.fetch_src,
+                dst=phase.src,
                 group=self._group,
                 term=self._term,
                 prev_term=self.term_at(prev) or 0,
                 prev_seq=prev,
             )
         )
-        lead.retry_at = self._now + self._cfg.retry_ms
+        phase.retry_at = self._now + self._cfg.retry_ms
 
     def _on_fetch(self, m: Fetch) -> None:
         if self._lead is not None and m.term == self._term:
@@ -966,22 +1026,22 @@ class Replica:
 
     def _on_fetch_reply(self, m: FetchReply) -> None:
         lead = self._lead
+        phase = lead.phase if lead is not None else None
         if (
-            lead is None
-            or m.term != self._term
-            or lead.phase != _FETCH
-            or m.src != lead.fetch_src
-            or m.prev_seq != lead.fetch_prev
+            m.term != self._term
+            or not isinstance(phase, _Fetch)
+            or m.src != phase.src
+            or m.prev_seq != phase.prev
             or m.prev_term != (self.term_at(m.prev_seq) or 0)
         ):
             return  # not the answer to our current question
-        lead.fetch_heard_at = self._now
+        phase.heard_at = self._now
         if m.ok:
-            if not m.entries and m.prev_seq < lead.fetch_goal[1]:
+            if not m.entries and m.prev_seq < phase.goal[1]:
                 self._restart_begin()  # the source no longer has the log it promised
                 return
             self._merge(m.entries)
-            lead.fetch_prev = m.prev_seq + len(m.entries)
+            phase.prev = m.prev_seq + len(m.entries)
         else:
             back = min(self._find_conflict_by_term(m.hint_seq, m.hint_term), m.prev_seq - 1)
             if back < self._commit:
@@ -990,7 +1050,7 @@ class Replica:
                 # re-syncing). Its promise is void; ask the voters again.
                 self._restart_begin()
                 return
-            lead.fetch_prev = back
+            phase.prev = back
         self._continue_fetch()
 
     def _restart_begin(self) -> None:
@@ -1001,19 +1061,20 @@ class Replica:
         promise, so the new majority is one whose logs can be trusted."""
         lead = self._lead
         assert lead is not None
-        lead.phase = _BEGIN
+        lead.enter(_Begin())
         lead.started_at = self._now
         lead.quorum_until = 0
         lead.promised = {self._id: (self.last_term, self.last_seq)}
-        lead.fetch_src, lead.fetch_goal, lead.fetch_prev = "", (0, 0), 0
         self._send_begins()
         self._maybe_finish_begin()
 
     def _continue_fetch(self) -> None:
         lead = self._lead
         assert lead is not None
-        goal_term, goal_seq = lead.fetch_goal
-        if lead.fetch_prev < goal_seq:
+        phase = lead.phase
+        assert isinstance(phase, _Fetch)
+        goal_term, goal_seq = phase.goal
+        if phase.prev < goal_seq:
             self._send_fetch()
             return
         if (self.last_term, self.last_seq) != (goal_term, goal_seq):
@@ -1029,14 +1090,13 @@ class Replica:
     def _start_replicating(self) -> None:
         lead = self._lead
         assert lead is not None
-        lead.phase = _STARTING
         # Log time continues from the adopted log (see "Log time").
         lead.ts_base = self._log[-1].ts if self._log else self._dedup.newest_ts
         lead.now_base = self._now
         e = Entry(self._term, self.last_seq + 1, "term_start", None, None, self._next_ts())
+        lead.enter(_Starting(term_start_seq=e.seq))
         self._log_append([e])
         self._persist(entries=[e])
-        lead.term_start_seq = e.seq
         self._sync_progress()
         lead.next_heartbeat = self._now + self._cfg.heartbeat_ms
         self._replicate_all()
@@ -1214,8 +1274,9 @@ class Replica:
         lead = self._lead
         if lead is None or m.term != self._term:
             return
-        if lead.phase == _FETCH and m.src == lead.fetch_src and m.commit is None:
-            lead.fetch_heard_at = self._now  # still there (a snapshot download answers nothing else)
+        phase = lead.phase
+        if isinstance(phase, _Fetch) and m.src == phase.src and m.commit is None:
+            phase.heard_at = self._now  # still there (a snapshot download answers nothing else)
         if lead.round_inflight and m.round >= lead.read_round and m.src in self._config().voters:
             lead.round_acks.add(m.src)
             self._check_read_round()
@@ -1321,10 +1382,11 @@ class Replica:
         lead = self._lead
         if lead is not None and m.term == self._term:
             # Our fetch source has compacted what we lack.
-            if lead.phase == _FETCH and m.src == lead.fetch_src:
-                lead.fetch_heard_at = self._now
+            phase = lead.phase
+            if isinstance(phase, _Fetch) and m.src == phase.src:
+                phase.heard_at = self._now
                 self._out.append(DownloadSnapshot(m.src, m.term, m.snap_seq, m.snap_term, m.digest, m.size))
-                lead.retry_at = self._now + self._cfg.snapshot_retry_ms
+                phase.retry_at = self._now + self._cfg.snapshot_retry_ms
             return
         if not self._accept_term(m):
             return
@@ -1347,13 +1409,14 @@ class Replica:
     def _on_snapshot_installed(self, ev: SnapshotInstalled) -> None:
         meta = ev.meta
         lead = self._lead
-        if meta.seq <= self._applied or (lead is not None and lead.phase != _FETCH):
+        phase = lead.phase if lead is not None else None
+        if meta.seq <= self._applied or (lead is not None and not isinstance(phase, _Fetch)):
             return
         self._install_snapshot(meta)
-        if lead is not None:
+        if isinstance(phase, _Fetch):
             # The snapshot point is the one place known to agree with the
             # source (it is committed); whatever we were probing is moot.
-            lead.fetch_prev = meta.seq
+            phase.prev = meta.seq
             self._continue_fetch()
         elif self._leader is not None:
             self._ack_durable(
@@ -1402,7 +1465,7 @@ class Replica:
         self._check_quorum(lead)
         if not lead.quorum_ok:
             return NO_QUORUM, self._id
-        if lead.phase != _READY:
+        if not lead.ready:
             return NOT_LEADER, self._id  # leading soon: retry here
         if lead.transfer is not None:
             return NOT_LEADER, lead.transfer.target
@@ -1579,7 +1642,7 @@ class Replica:
             if not lead.quorum_ok:
                 self._reply_error(r.req, NO_QUORUM, self._id)
                 return
-        if lead is None or lead.phase != _READY:
+        if lead is None or not lead.ready:
             self._reply_error(r.req, NOT_LEADER, self._leader if lead is None else self._id)
             return
         # Read index: everything committed when the read arrived.  Ready
@@ -1652,7 +1715,7 @@ class Replica:
         lead = self._lead
         if (
             lead is None
-            or lead.phase != _READY
+            or not lead.ready
             or not lead.quorum_ok
             or lead.transfer is not None
             or t.target == self._id
@@ -1685,7 +1748,7 @@ class Replica:
         refusal = self._write_refusal()
         lead = self._lead
         if (refusal is not None and refusal[0] == NO_QUORUM and c.remove is not None and lead is not None
-                and lead.phase == _READY and lead.transfer is None
+                and lead.ready and lead.transfer is None
                 and self._contact_majority(lead, tuple(v for v in self._config().voters if v != c.remove))):
             # Removing the voter we cannot hear is what gives us a quorum
             # back (a config entry takes effect when appended).
@@ -1778,9 +1841,9 @@ class Replica:
     def _quorum_deadline(self, lead: _Leadership) -> int | None:
         """When the quorum is lost if no reply arrives meanwhile (None: it cannot be)."""
         lease = self._cfg.lease_ms
-        if lead.phase == _BEGIN:
+        if isinstance(lead.phase, _Begin):
             return lead.started_at + lease
-        if lead.phase == _FETCH:
+        if isinstance(lead.phase, _Fetch):
             return None
         voters = self._config().voters
         need = len(voters) // 2 + 1 - (1 if self._id in voters else 0)
@@ -1799,7 +1862,8 @@ class Replica:
         lead = self._lead
         now = self._now
         if lead is not None:
-            if lead.phase in (_BEGIN, _FETCH) and now >= lead.next_heartbeat:
+            phase = lead.phase
+            if isinstance(phase, (_Begin, _Fetch)) and now >= lead.next_heartbeat:
                 # Voters that promised (or have yet to) hear from us while we
                 # collect promises or fetch a long log: they must not report
                 # us silent to meta.  commit=0 tells them nothing else.
@@ -1807,15 +1871,15 @@ class Replica:
                     self._send(Heartbeat(src=self._id, dst=peer, group=self._group, term=self._term, commit=0,
                                          round=0))
                 lead.next_heartbeat = now + self._cfg.heartbeat_ms
-            if lead.phase == _BEGIN:
-                if now >= lead.retry_at:
+            if isinstance(phase, _Begin):
+                if now >= phase.retry_at:
                     self._send_begins()
-            elif lead.phase == _FETCH:
-                if now - lead.fetch_heard_at >= self._cfg.lease_ms:
+            elif isinstance(phase, _Fetch):
+                if now - phase.heard_at >= self._cfg.lease_ms:
                     # The source is gone: ask a majority again (any majority's
                     # best log will do; what was fetched so far stays).
                     self._restart_begin()
-                elif now >= lead.retry_at:
+                elif now >= phase.retry_at:
                     self._send_fetch()
             else:
                 self._tick_leader(lead)
@@ -1852,11 +1916,12 @@ class Replica:
         if lead is not None:
             if lead.quorum_ok and lead.quorum_until > self._now:  # (never a timer in the past: it would spin)
                 times.append(lead.quorum_until)
-            if lead.phase in (_BEGIN, _FETCH):
-                times.append(lead.retry_at)
+            phase = lead.phase
+            if isinstance(phase, (_Begin, _Fetch)):
+                times.append(phase.retry_at)
                 times.append(lead.next_heartbeat)
-                if lead.phase == _FETCH:
-                    times.append(lead.fetch_heard_at + self._cfg.lease_ms)
+                if isinstance(phase, _Fetch):
+                    times.append(phase.heard_at + self._cfg.lease_ms)
             else:
                 times.append(lead.next_heartbeat)
                 if lead.notice_at is not None:
@@ -1880,13 +1945,14 @@ class Replica:
 
     def _settle(self) -> None:
         lead = self._lead
-        if lead is not None and lead.phase in (_STARTING, _READY):
+        if lead is not None and isinstance(lead.phase, (_Starting, _Ready)):
             self._advance_commit()
-            if lead.phase == _STARTING and self._commit >= lead.term_start_seq:
-                lead.phase = _READY
+            phase = lead.phase
+            if isinstance(phase, _Starting) and self._commit >= phase.term_start_seq:
+                lead.enter(_Ready())
                 self._out.append(ReportReady(self._term))
         self._apply_committed()
-        if lead is not None and lead.phase == _READY:
+        if lead is not None and lead.ready:
             self._complete_writes()
             self._check_transfer()
             # A follower that has heard nothing from us for commit_notice_ms

@@ -13,7 +13,7 @@ import pytest
 from shardgrid.common.wire import packb
 from worker.codec import encode_entry
 from worker.dedup import DedupTable
-from worker.replica import Replica
+from worker.replica import _TRANSITIONS, Replica, _Begin, _Fetch, _Leadership, _Ready, _Starting
 from worker.replica_msgs import (
     Append,
     AppendReply,
@@ -212,6 +212,23 @@ def test_a_fetch_source_that_lost_its_log_voids_its_promise_and_begin_is_asked_a
     net.tick(300)
     net.run()
     assert net.r["a"].ready and log_of(net.r["a"])[:2] == [(1, 1), (1, 2)]
+
+
+def test_leadership_phases_change_only_along_the_transition_table() -> None:
+    lead = _Leadership(quorums=(("a", "b", "c"),), begin_to=("b", "c"), started_at=0)
+    assert isinstance(lead.phase, _Begin)
+    with pytest.raises(AttributeError):
+        lead.phase.src  # type: ignore[attr-defined]  # a fetch's field does not exist before the fetch
+    lead.enter(_Fetch(src="c", goal=(3, 3), prev=2, heard_at=0))
+    lead.enter(_Begin())  # the fetch failed: promises again
+    with pytest.raises(AssertionError):
+        lead.enter(_Ready())  # nothing committed the term start
+    lead.enter(_Starting(term_start_seq=3))
+    for bad in (_Begin(), _Fetch(src="c", goal=(3, 3), prev=2, heard_at=0), _Starting(term_start_seq=4)):
+        with pytest.raises(AssertionError):
+            lead.enter(bad)
+    lead.enter(_Ready())
+    assert lead.ready and _TRANSITIONS[_Ready] == frozenset()
 
 
 def test_begin_adopts_greatest_seq_on_equal_last_term() -> None:
