@@ -195,14 +195,18 @@ def make_dirs(io: Storage, path: Path, *, sync: bool = True) -> None:
     """Create `path` and its missing parents, durably when `sync`: a new
     directory's name lives in its parent, and until that parent is fsynced a
     power loss may take the directory back, with every file in it, however
-    well those were synced."""
-    if io.is_dir(path):
-        return
-    missing = [p for p in (path, *path.parents) if not io.exists(p)]
+    well those were synced.
+
+    Every ancestor is fsynced, not only those this call creates: a call that
+    failed after its mkdir (a directory fsync that failed) leaves a
+    directory that exists but may not last, and the retry cannot tell. It
+    runs when a group opens and a snapshot is written, where a few fsyncs
+    of clean directories cost nothing next to the rest."""
     io.mkdir(path)
     if sync:
-        for p in missing:
-            io.fsync_dir(p.parent)
+        for p in (path, *path.parents):
+            if p.parent != p:
+                io.fsync_dir(p.parent)
 
 
 def write_all(io: Storage, fd: int, data: bytes | memoryview) -> None:

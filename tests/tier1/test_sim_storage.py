@@ -218,14 +218,12 @@ def test_snapshot_archives_on_sim_storage_survive_crashes(tmp_path: Path) -> Non
     outcomes = set()
     for seed in range(60):
         disk = SimStorage(random.Random(seed))
-        # The directory is made durable first: write_snapshot's mkdir does not
-        # fsync the parent (nor does GroupShell's; see the report).
         disk.mkdir(snaps)
         disk.fsync_dir(Path("/"))
         disk.fsync_dir(snaps.parent)
         old = write_snapshot(snaps, old_meta, old_files, storage=disk)
         assert old.digest == file_digest(old.path, storage=disk) and read_meta(old.path, storage=disk) == old_meta
-        disk.crash_after(random.Random(seed).randint(1, 12))
+        disk.crash_after(random.Random(seed).randint(1, 20))  # (its first few: the directories' fsyncs)
         try:
             write_snapshot(snaps, new_meta, new_files, storage=disk)
             prune_snapshots(snaps, 20, storage=disk)
@@ -268,3 +266,22 @@ def test_a_snapshot_in_a_fresh_directory_survives_a_power_loss(tmp_path: Path) -
         write_snapshot(Path("/node/snaps"), meta, files, storage=disk)  # returned: durable
         disk.power_loss(random.Random(seed), "prefix")
         assert [s.seq for s in list_snapshots(Path("/node/snaps"), storage=disk)] == [10], f"seed {seed}"
+
+
+def test_a_directory_whose_first_making_failed_is_durable_once_a_retry_succeeds() -> None:
+    # A group's first open hit a failed directory fsync after its mkdir; the
+    # retry found the directory there. If it fsynced only what it created,
+    # nothing would make the name durable and a power loss would take the
+    # group away with everything synced in it (found by the shell simulator).
+    from worker.storage import make_dirs
+
+    for mode in MODES:
+        disk = SimStorage(random.Random(3))
+        path = Path("/data/groups/0")
+        disk.fsync_fail_rate = 1.0
+        with pytest.raises(OSError):
+            make_dirs(disk, path)
+        disk.fsync_fail_rate = 0.0
+        make_dirs(disk, path)
+        disk.power_loss(random.Random(3), mode)
+        assert disk.is_dir(path), mode
