@@ -588,7 +588,7 @@ class ShellSim:
             if r is not None and r.resyncing:
                 return True
             # The marker goes with the first pass that persists after the re-sync.
-            if node.storage.exists(ROOT / node.name / RESYNC_MARKER):
+            if node.storage.holds(ROOT / node.name / RESYNC_MARKER):
                 return True
         return False
 

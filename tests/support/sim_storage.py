@@ -180,6 +180,16 @@ class SimStorage:
         `kill()` or `power_loss()` (a simulator killing it between two calls)."""
         self._dead = True
 
+    def holds(self, path: Path) -> bool:
+        """Does `path` exist as its process would see it? For the simulator
+        to look at a disk whatever state its process is in (a dead one's
+        calls raise SimCrash)."""
+        dead, self._dead = self._dead, False
+        try:
+            return self.exists(path)
+        finally:
+            self._dead = dead
+
     def settle(self) -> None:
         """What worker/retry.py's `settle_from_disk` does before a group is
         reopened in place: every file and directory fsynced through a new
