@@ -285,3 +285,26 @@ def test_a_directory_whose_first_making_failed_is_durable_once_a_retry_succeeds(
         make_dirs(disk, path)
         disk.power_loss(random.Random(3), mode)
         assert disk.is_dir(path), mode
+
+
+def test_o_append_writes_at_the_end_and_a_read_only_fd_refuses_writes() -> None:
+    # A resumed snapshot download appends to its partial file (worker/group.py
+    # `_fetch`); a model that wrote at offset 0 hid that path from the simulator.
+    import errno
+    import os
+
+    disk = SimStorage(random.Random(0))
+    path = Path("/d/partial")
+    disk.mkdir(path.parent)
+    fd = disk.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    disk.write(fd, b"head-")
+    disk.close(fd)
+    fd = disk.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    disk.write(fd, b"tail")
+    disk.close(fd)
+    assert disk.read_bytes(path) == b"head-tail"
+    fd = disk.open(path, os.O_RDONLY)
+    with pytest.raises(OSError) as err:
+        disk.write(fd, b"x")
+    assert err.value.errno == errno.EBADF
+    disk.close(fd)
