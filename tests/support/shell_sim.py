@@ -499,7 +499,7 @@ class ShellSim:
         shell.sim, shell.node = self, node
         node.shell = shell
         node.up = True
-        damaged, node.damaged = node.damaged, None
+        damaged = node.damaged  # kept until an open gets through recovery: still on disk till then
         try:
             shell.open()
         except SimCrash:
@@ -516,6 +516,7 @@ class ShellSim:
             return
         r = shell.replica
         assert r is not None
+        node.damaged = None
         if damaged is not None and not r.resyncing:
             self.fail(f"{node.name}: WAL record damaged at {damaged[0]}:{damaged[1]} after it was synced, "
                       f"and recovery did not report it")
