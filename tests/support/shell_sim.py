@@ -517,6 +517,7 @@ class ShellSim:
         r = shell.replica
         assert r is not None
         node.damaged = None
+        node.storage.scarred = False  # this recovery read the disk: it reported any hole (and re-syncs)
         if damaged is not None and not r.resyncing:
             self.fail(f"{node.name}: WAL record damaged at {damaged[0]}:{damaged[1]} after it was synced, "
                       f"and recovery did not report it")
@@ -583,7 +584,10 @@ class ShellSim:
 
     def any_resyncing(self) -> bool:
         for node in self.nodes.values():
-            if node.damaged is not None:
+            if node.damaged is not None or node.storage.forgotten or node.storage.scarred:
+                # (A failed fsync's pages read back by a process that died
+                # before the WAL cut them, then a power loss: a log damaged
+                # as surely as by the simulator's own hand.)
                 return True
             r = node.shell.replica if node.shell is not None else None
             if r is not None and r.resyncing:

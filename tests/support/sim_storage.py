@@ -131,6 +131,12 @@ class SimStorage:
         self._crash_in: int | None = None
         # Fault knobs.
         self.fsync_failures = 0  # the next n file fsync/fdatasync calls fail with EIO
+        # For a simulator's bookkeeping of latent damage: pages a failed fsync
+        # forgot are still cached (`forgotten`, until `settle` drops them), or
+        # a power loss turned them into holes on the disk (`scarred`, until
+        # the simulator sees a recovery read the disk).
+        self.forgotten = False
+        self.scarred = False
         self.fsync_fail_rate = 0.0
         self.write_failures = 0  # the next n write/pwrite/fallocate calls fail with `write_errno`
         self.write_errno = errno.ENOSPC
@@ -205,6 +211,7 @@ class SimStorage:
             ino.durable = _replay(ino.durable, ino.pending)
             ino.pending.clear()
             ino.volatile = bytearray(ino.durable)
+        self.forgotten = False
 
     def power_loss(self, rng: random.Random | None = None, mode: PowerLossMode = "prefix") -> None:
         """The machine loses power: only what is durable (and what survives by luck) stays."""
@@ -221,6 +228,8 @@ class SimStorage:
                 ino.durable = self._survivor(ino, rng, mode)
             ino.pending.clear()
             ino.volatile = bytearray(ino.durable)
+        self.scarred = self.scarred or self.forgotten
+        self.forgotten = False
         self.kill()
 
     @staticmethod
@@ -377,6 +386,7 @@ class SimStorage:
         if self.fsync_failures or (self.fsync_fail_rate and self.rng.random() < self.fsync_fail_rate):
             self.fsync_failures = max(0, self.fsync_failures - 1)
             ino.pending.clear()  # Linux: the dirty pages are marked clean; they never reach the disk
+            self.forgotten = True
             raise OSError(errno.EIO, "injected fsync failure")
         ino.durable = _replay(ino.durable, ino.pending)
         ino.pending.clear()
