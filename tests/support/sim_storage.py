@@ -187,14 +187,16 @@ class SimStorage:
         self._dead = True
 
     def holds(self, path: Path) -> bool:
-        """Does `path` exist as its process would see it? For the simulator
-        to look at a disk whatever state its process is in (a dead one's
-        calls raise SimCrash)."""
-        dead, self._dead = self._dead, False
-        try:
-            return self.exists(path)
-        finally:
-            self._dead = dead
+        """Does `path` exist, as its process sees it or as a power loss may
+        leave it (its name still durable)? For the simulator to look at a
+        disk whatever state its process is in (a dead one's calls raise
+        SimCrash)."""
+        volatile: _Node | None = self._root
+        durable: _Node | None = self._root
+        for part in Path(path).parts[1:]:
+            volatile = volatile.volatile.get(part) if isinstance(volatile, _Dir) else None
+            durable = durable.durable.get(part) if isinstance(durable, _Dir) else None
+        return volatile is not None or durable is not None
 
     def settle(self) -> None:
         """What worker/retry.py's `settle_from_disk` does before a group is
