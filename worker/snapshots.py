@@ -242,8 +242,14 @@ def list_snapshots(snap_dir: Path, *, storage: Storage = OS_STORAGE) -> list[Sna
         parts = p.stem.split("-")
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             continue  # not a name this module writes (_name)
-        digest = storage.read_bytes(side).decode().strip()
-        out.append(SnapshotFile(p, int(parts[1]), int(parts[2]), storage.size(p), digest))
+        try:
+            digest = storage.read_bytes(side).decode().strip()
+            size = storage.size(p)
+        except FileNotFoundError:
+            # Pruned while we listed (the persist thread installs and prunes
+            # while the loop serves a manifest): not a snapshot any more.
+            continue
+        out.append(SnapshotFile(p, int(parts[1]), int(parts[2]), size, digest))
     return sorted(out, key=lambda s: s.seq)
 
 

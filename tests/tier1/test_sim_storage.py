@@ -308,3 +308,28 @@ def test_o_append_writes_at_the_end_and_a_read_only_fd_refuses_writes() -> None:
         disk.write(fd, b"x")
     assert err.value.errno == errno.EBADF
     disk.close(fd)
+
+
+def test_a_snapshot_pruned_while_it_is_listed_is_left_out(tmp_path: Path) -> None:
+    # The loop lists snapshots (a manifest, a SnapshotNeeded) while the
+    # persist thread may prune them: a file gone between the listing and its
+    # read was a 500 for the manifest.
+    from worker.snapshots import list_snapshots, prune_snapshots, write_snapshot
+
+    class PrunedMidway(SimStorage):
+        armed = False
+
+        def read_bytes(self, path: Path) -> bytes:
+            if self.armed and path.name.startswith("snap-00000000000000000010-"):
+                self.armed = False
+                prune_snapshots(snaps, 20, storage=self)  # the other thread, just now
+            return super().read_bytes(path)
+
+    snaps = Path("/node/snaps")
+    disk = PrunedMidway(random.Random(0))
+    old_files, old_meta = _plugin_files(tmp_path, 10, 5)
+    new_files, new_meta = _plugin_files(tmp_path, 20, 9)
+    write_snapshot(snaps, old_meta, old_files, storage=disk)
+    write_snapshot(snaps, new_meta, new_files, storage=disk)
+    disk.armed = True
+    assert [s.seq for s in list_snapshots(snaps, storage=disk)] == [20]
