@@ -667,10 +667,6 @@ class EntitiesPlugin:
 
     # -- snapshots
 
-    def snapshot_records(self) -> int:
-        s = self._state
-        return len(s.items) + len(s.signals) + len(s.matrix)
-
     def snapshot(self, dir: Path) -> None:
         self.capture()(dir)
 
