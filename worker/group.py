@@ -72,6 +72,7 @@ from worker.wal import Recovered, Wal, WalFailed
 MAX_PASS_EVENTS = 4096
 RESYNC_MARKER = "RESYNC"
 RESULT_CACHE = 65_536  # plugin results held for replies, counted in writes
+SNAPSHOT_MAX_SPACING = 10  # times snapshot_every: the longest log a large state keeps (snapshot_due)
 DOWNLOAD_ATTEMPTS = 8  # in a row without a byte received, before a download gives up (and resumes later)
 # A source that serves its limit of snapshot downloads answers busy
 # (worker/throttle.py): ask again after this pause, doubled each time up to
@@ -144,6 +145,7 @@ class GroupHooks(Protocol):
 class GroupSettings:
     fsync: str = "batch"
     snapshot_every: int = 100_000
+    snapshot_state_ratio: float = 0.5  # see snapshot_due; 0 takes one every snapshot_every writes
     quorum_timeout_ms: int = 2000
     lease_ms: int = 1500
     segment_bytes: int = 64 * 1024 * 1024
@@ -191,6 +193,25 @@ class GroupOverloaded(Exception):
 
 
 _GONE_MID_WRITE = "%s; a write may still commit under the next leader"
+
+
+def snapshot_due(every: int, records: int, ratio: float) -> int:
+    """Client writes since the last snapshot after which the next one is taken.
+
+    A snapshot writes the whole state, so taking one every `every` writes
+    costs each write `records / every` records' packing: with unique keys
+    the state grows with the writes, and the cost per write with it (at
+    10 M items, about a hundred records per write). Waiting for `ratio`
+    times the state's records bounds that cost by `1 / ratio` records per
+    write when the state stays the same size; while it only grows (every
+    write a new key), the spacing grows geometrically (ratio 0.5: each
+    snapshot when the state has doubled since the last), which bounds the
+    total by a few times the final state. The log, and a restart's replay,
+    grow with the state instead, up to SNAPSHOT_MAX_SPACING times `every`.
+    """
+    if ratio <= 0:
+        return every
+    return min(max(every, int(records * ratio)), every * SNAPSHOT_MAX_SPACING)
 
 
 def _snapshot_interval(every: int, node_id: str, gid: int) -> int:
@@ -367,6 +388,10 @@ class GroupShell:
         self._last_snapshot_seq = 0
         # The core counts client writes and asks for snapshots (TakeSnapshot).
         self._snapshot_after = _snapshot_interval(settings.snapshot_every, node_id, gid)
+        # Client writes applied since the last snapshot this replica took (or
+        # since it started: a restart replays at most twice snapshot_due).
+        self._writes_unsnapped = 0
+        self._writes_capturing = 0
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._download: asyncio.Task[None] | None = None
@@ -763,7 +788,7 @@ class GroupShell:
             elif isinstance(eff, m.DownloadSnapshot):
                 self._start_download(eff)
             elif isinstance(eff, m.TakeSnapshot):
-                self._snapshot_plugin(eff.seq, eff.meta)
+                self._snapshot_plugin(eff.seq, eff.meta, eff.writes)
 
     # -- persistence ------------------------------------------------
 
@@ -841,7 +866,7 @@ class GroupShell:
         except BadOp as exc:
             return _ApplyError(exc.code, exc.message)
 
-    def _snapshot_plugin(self, seq: int, meta: m.SnapshotMeta | None = None) -> None:
+    def _snapshot_plugin(self, seq: int, meta: m.SnapshotMeta | None = None, writes: int = 0) -> None:
         # The plugin is exactly at `seq` now: entries after it are applied
         # later in this same effect stream. Only the capture runs here: the
         # packing and fsyncs of a large state (~0.2 s per 100k items) would
@@ -854,9 +879,17 @@ class GroupShell:
         # capture at a time: each holds a copy of the state, and a point asked
         # for while one is being written is skipped (the next comes
         # snapshot_every later).
+        self._writes_unsnapped += writes
         if self._plugin_writes:
             self.log.info("snapshot_skipped", seq=seq, writing=sorted(self._plugin_writes))
             return
+        records = self.plugin.snapshot_records()
+        due = snapshot_due(self._snapshot_after, records, self.settings.snapshot_state_ratio)
+        if self._writes_unsnapped < due:
+            self.log.info("snapshot_deferred", seq=seq, writes=self._writes_unsnapped, due=due, records=records)
+            return
+        # Counted again if the write fails (one capture at a time: one count).
+        self._writes_capturing, self._writes_unsnapped = self._writes_unsnapped, 0
         tmp = Path(tempfile.mkdtemp(dir=self._scratch(), prefix=f".plugin-{seq}-"))
         writer = self.plugin.capture()
         self._plugin_snaps[seq] = tmp
@@ -878,6 +911,7 @@ class GroupShell:
             self.deliver(m.Compact(seq))
             return
         self.log.error("snapshot_write_failed", seq=seq, error=f"{type(exc).__name__}: {exc}")
+        self._writes_unsnapped += self._writes_capturing
         # pop(..., None): an installed snapshot past seq may have dropped it already.
         self._plugin_writes.pop(seq, None)
         tmp = self._plugin_snaps.pop(seq, None)
@@ -1162,6 +1196,7 @@ class GroupShell:
             remove_snapshot(snap, storage=self.storage)
             return []
         self._last_snapshot_seq = meta.seq
+        self._writes_unsnapped = 0  # the log starts at the installed snapshot
         return self.replica.handle(m.SnapshotInstalled(meta), now)
 
     def latest_snapshot(self) -> SnapshotFile | None:

@@ -1987,7 +1987,7 @@ class Replica:
             if every and (e.kind == "op" or e.kind == "ops"):
                 self._since_snapshot += self._writes_in(e)
                 if self._since_snapshot >= every:
-                    self._since_snapshot = 0
+                    writes, self._since_snapshot = self._since_snapshot, 0
                     self._out.append(Apply(batch[start : i + 1]))
                     start = i + 1
                     # Two kept: the oldest, which the shell may still be
@@ -1996,7 +1996,7 @@ class Replica:
                         oldest = min(self._prepared)
                         self._prepared = {oldest: self._prepared[oldest]}
                     meta = self._prepared[e.seq] = self._snapshot_meta_at(e.seq, exact=self._dedup)
-                    self._out.append(TakeSnapshot(e.seq, meta))
+                    self._out.append(TakeSnapshot(e.seq, meta, writes))
         self._applied = self._commit
         if start < len(batch):
             self._out.append(Apply(batch[start:]))

@@ -457,6 +457,9 @@ class TakeSnapshot:
     # `seq`): with it the shell writes the whole archive beside the plugin's
     # files, off the group's path, and the install only moves the WAL.
     meta: SnapshotMeta | None = field(default=None, compare=False)
+    # Client writes applied since the previous TakeSnapshot (at least
+    # snapshot_every): the shell spaces snapshots by state size with it.
+    writes: int = field(default=0, compare=False)
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,7 +13,7 @@ import structlog
 
 from tests.support.group_hooks import NullHooks
 from worker import replica_msgs as m
-from worker.group import GroupSettings, GroupShell, _Restore, _snapshot_interval
+from worker.group import SNAPSHOT_MAX_SPACING, GroupSettings, GroupShell, _Restore, _snapshot_interval, snapshot_due
 from worker.plugins.base import ApplyContext, BadOp, NotFound, PluginSettings, load_plugin
 from worker.plugins.entities import EntitiesPlugin
 from worker.snapshots import read_meta, write_snapshot
@@ -44,9 +44,9 @@ def _started(tmp_path: Path, snapshot_every: int = 100_000, plugin: Any = None, 
     return g
 
 
-async def _single_voter(tmp_path: Path, snapshot_every: int) -> GroupShell:
+async def _single_voter(tmp_path: Path, snapshot_every: int, **settings: Any) -> GroupShell:
     """The ready leader of a one-voter group."""
-    g = _started(tmp_path, snapshot_every)
+    g = _started(tmp_path, snapshot_every, **settings)
     await _until(lambda: g.replica is not None and g.replica.ready)
     return g
 
@@ -387,7 +387,8 @@ async def test_a_failed_snapshot_write_is_dropped_and_the_next_point_tries_again
 
 
 async def test_one_snapshot_capture_at_a_time_and_the_group_does_not_wait_for_it(tmp_path: Path) -> None:
-    g = await _single_voter(tmp_path, snapshot_every=2)
+    # Every point is due (ratio 0): a unique-key state would otherwise defer them (snapshot_due).
+    g = await _single_voter(tmp_path, snapshot_every=2, snapshot_state_ratio=0)
     gate = _GatedCapture(g.plugin)
     try:
         for i in range(6):  # six snapshot points while the first is being written
@@ -556,10 +557,10 @@ async def test_an_install_of_another_meta_than_the_archived_one_archives_again(
     take = g._snapshot_plugin
     true: list[m.SnapshotMeta] = []
 
-    def stale_meta(seq: int, meta: m.SnapshotMeta | None = None) -> None:
+    def stale_meta(seq: int, meta: m.SnapshotMeta | None = None, writes: int = 0) -> None:
         assert meta is not None
         true.append(meta)
-        take(seq, dataclasses.replace(meta, ts=meta.ts - 1))  # not what the core installs
+        take(seq, dataclasses.replace(meta, ts=meta.ts - 1), writes)  # not what the core installs
     monkeypatch.setattr(g, "_snapshot_plugin", stale_meta)
     try:
         await _writes_to_a_snapshot(g)
@@ -734,3 +735,49 @@ async def test_a_downloaded_archive_at_another_point_than_its_name_is_refused_an
         await _until(lambda: b.replica is not None and b.replica.applied_seq == 1)
     finally:
         await b.close()
+
+
+def test_snapshot_due_grows_with_the_state_up_to_its_cap() -> None:
+    assert snapshot_due(100, 0, 0.5) == 100  # a small state: every snapshot_every writes
+    assert snapshot_due(100, 150, 0.5) == 100
+    assert snapshot_due(100, 1_000, 0.5) == 500  # half the state's records
+    assert snapshot_due(100, 10**9, 0.5) == 100 * SNAPSHOT_MAX_SPACING  # the log's bound
+    assert snapshot_due(100, 10**9, 0) == 100  # ratio 0: off
+
+
+def _counting_captures(g: GroupShell) -> list[int]:
+    """The state size (items) at each capture the shell makes from now on."""
+    sizes: list[int] = []
+    capture = g.plugin.capture
+
+    def counted() -> Any:
+        sizes.append(g.plugin.stats()["items"])
+        return capture()
+    g.plugin.capture = counted  # type: ignore[method-assign]
+    return sizes
+
+
+async def test_a_growing_state_spaces_its_snapshots_and_an_unchanging_one_does_not(tmp_path: Path) -> None:
+    # Unique keys: a snapshot only once the writes since the last one reach
+    # half the state (ratio 0.5), each a whole-state write. Rewritten keys: every point.
+    g = await _single_voter(tmp_path / "grow", snapshot_every=5)
+    try:
+        sizes = _counting_captures(g)
+        for i in range(8):  # 8 points, 5 new items each
+            out = await g.write_many([(put(5 * i + k), f"u{i}.{k}") for k in range(5)], "quorum", 5.0)
+            assert all(o.ok for o in out)
+            await _until(lambda: not g._plugin_writes)
+        # 5 items (5 since), 10 (5 >= 10 / 2), 20 (10 >= 20 / 2), 40 (20 >= 40 / 2): 4 of 8 points.
+        assert sizes == [5, 10, 20, 40]
+    finally:
+        await g.close()
+    same = await _single_voter(tmp_path / "same", snapshot_every=5)
+    try:
+        sizes = _counting_captures(same)
+        for i in range(4):  # the same 5 keys, over and over
+            out = await same.write_many([(put(k), f"s{i}.{k}") for k in range(5)], "quorum", 5.0)
+            assert all(o.ok for o in out)
+            await _until(lambda: not same._plugin_writes)
+        assert sizes == [5, 5, 5, 5]
+    finally:
+        await same.close()

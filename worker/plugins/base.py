@@ -212,6 +212,12 @@ class Plugin(Protocol):
         """
         ...
 
+    def snapshot_records(self) -> int:
+        """How many records a snapshot would write now, O(1): the shell
+        spaces snapshots by it (worker/group.py, snapshot_due). 0 for a
+        state whose snapshot costs the same whatever was written."""
+        ...
+
     def restore(self, dir: Path) -> None:
         """Replace the whole state by the one in the snapshot at `dir`.
 

@@ -667,6 +667,10 @@ class EntitiesPlugin:
 
     # -- snapshots
 
+    def snapshot_records(self) -> int:
+        s = self._state
+        return len(s.items) + len(s.signals) + len(s.matrix)
+
     def snapshot(self, dir: Path) -> None:
         self.capture()(dir)
 
