@@ -105,6 +105,7 @@ class Params:
     download_busy: float
     download_flip: float
     power_modes: tuple[str, ...]
+    snapshot_ratio: float  # GroupSettings.snapshot_state_ratio: 0 snapshots at every point
 
 
 def draw_params(rng: random.Random) -> Params:
@@ -130,6 +131,7 @@ def draw_params(rng: random.Random) -> Params:
         download_busy=rng.choice((0.0, 0.2)),
         download_flip=rng.choice((0.0, 0.1, 0.3)),
         power_modes=rng.choice((("lose",), ("prefix",), ("reorder",), ("lose", "prefix", "reorder"))),
+        snapshot_ratio=rng.choice((0.0, 0.5)),
     )
 
 
@@ -358,6 +360,10 @@ class ShellSim:
                       for n in self.names}
         for node in self.nodes.values():
             node.storage.fsync_fail_rate = self.p.fsync_fail
+            # A failed fsync can leave a log damaged (a process that dies
+            # before the WAL cuts what the fsync forgot): one damaged log at
+            # a time, as for the simulator's own damage (see `restart`).
+            node.storage.may_fail = lambda node=node: not self.any_resyncing(besides=node)
         self.commits = CommittedLog(self.fail)
         self.cut: set[tuple[str, str]] = set()
         self.m_term = 0
@@ -370,7 +376,8 @@ class ShellSim:
         self.writers = 0  # client writes not yet answered for good
         self.failure: BaseException | None = None
         self.settings = GroupSettings(fsync="batch", snapshot_every=self.p.snapshot_every, quorum_timeout_ms=1000,
-                                      lease_ms=300, segment_bytes=self.p.segment_bytes)
+                                      lease_ms=300, segment_bytes=self.p.segment_bytes,
+                                      snapshot_state_ratio=self.p.snapshot_ratio)
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -582,8 +589,11 @@ class ShellSim:
             node.damaged = self.damage(node)
         self.start(node)
 
-    def any_resyncing(self) -> bool:
+    def any_resyncing(self, besides: SimNode | None = None) -> bool:
+        """Whether a node (other than `besides`) holds a damaged log or re-syncs one."""
         for node in self.nodes.values():
+            if node is besides:
+                continue
             if node.damaged is not None or node.storage.forgotten or node.storage.scarred:
                 # (A failed fsync's pages read back by a process that died
                 # before the WAL cut them, then a power loss: a log damaged

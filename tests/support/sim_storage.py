@@ -138,6 +138,9 @@ class SimStorage:
         self.forgotten = False
         self.scarred = False
         self.fsync_fail_rate = 0.0
+        # Consulted before a random fsync failure (fsync_fail_rate): False
+        # holds it back (a simulator keeping to its fault budget).
+        self.may_fail: Callable[[], bool] = lambda: True
         self.write_failures = 0  # the next n write/pwrite/fallocate calls fail with `write_errno`
         self.write_errno = errno.ENOSPC
         self.crash_hook: Callable[[str], bool] | None = None  # op name -> crash now?
@@ -385,7 +388,8 @@ class SimStorage:
         ino = self._fd(fd).inode
         if self._mutating("fsync"):
             raise SimCrash("fsync")
-        if self.fsync_failures or (self.fsync_fail_rate and self.rng.random() < self.fsync_fail_rate):
+        if self.fsync_failures or (self.fsync_fail_rate and self.may_fail()
+                                   and self.rng.random() < self.fsync_fail_rate):
             self.fsync_failures = max(0, self.fsync_failures - 1)
             ino.pending.clear()  # Linux: the dirty pages are marked clean; they never reach the disk
             self.forgotten = True
@@ -499,7 +503,7 @@ class SimStorage:
         d = self._dir(path)
         if self._mutating("fsync_dir"):
             raise SimCrash("fsync_dir")
-        if self.fsync_fail_rate and self.rng.random() < self.fsync_fail_rate:
+        if self.fsync_fail_rate and self.may_fail() and self.rng.random() < self.fsync_fail_rate:
             # The names stay pending: a later fsync of the directory may still make them durable.
             raise OSError(errno.EIO, "injected directory fsync failure")
         d.durable = dict(d.volatile)
