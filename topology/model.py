@@ -153,6 +153,9 @@ class Settings:
     # The shardgrid versions meta admits workers at (empty: any); a rolling
     # upgrade lists the old and the new one.
     allowed_versions: tuple[str, ...] = ()
+    # A large state waits for writes of this many times its records before
+    # its next snapshot (worker/group.py snapshot_due); 0: every snapshot_every.
+    snapshot_state_ratio: float = 0.5
 
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

@@ -75,6 +75,8 @@ SETTINGS_FLOATS = {
     "hot_latency_ratio": (1.0, 100.0, "a leader is compared with the median of its group, itself included: "
                                       "at 1 or below every busy leader would count as hot"),
     "hot_worker_threshold": (0.0, 100.0, "a fraction above the mean load (0.5 = 50 % above)"),
+    "snapshot_state_ratio": (0.0, 100.0, "writes since the last snapshot per record of the state, "
+                                         "or exactly 0 to snapshot every snapshot_every writes"),
 }
 SETTINGS_BOOLS = ("hot_relief",)
 # A decision window shorter than a few heartbeats (lease_ms / 5 apart) would
@@ -398,6 +400,8 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
         path = f"settings.{key}"
         if key in SETTINGS_ENUMS:
             v: Any = c.want_choice(m[key], path, SETTINGS_ENUMS[key])
+        elif key == "snapshot_state_ratio" and m[key] == 0 and not isinstance(m[key], bool):
+            v = 0.0  # off: a snapshot every snapshot_every writes, whatever the state's size
         elif key in SETTINGS_FLOATS:
             v = c.want_ratio(m[key], path, *SETTINGS_FLOATS[key])
         elif key in SETTINGS_BOOLS:

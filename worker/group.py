@@ -388,8 +388,8 @@ class GroupShell:
         self._last_snapshot_seq = 0
         # The core counts client writes and asks for snapshots (TakeSnapshot).
         self._snapshot_after = _snapshot_interval(settings.snapshot_every, node_id, gid)
-        # Client writes applied since the last snapshot this replica took (or
-        # since it started: a restart replays at most twice snapshot_due).
+        # Client writes applied since the last snapshot this replica took
+        # (after a restart the core applies the log again and counts them).
         self._writes_unsnapped = 0
         self._writes_capturing = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -908,7 +908,7 @@ class GroupShell:
             return  # closing
         exc = written.exception()
         if exc is None:
-            self.deliver(m.Compact(seq))
+            self.deliver(m.Compact(seq, written.result()))
             return
         self.log.error("snapshot_write_failed", seq=seq, error=f"{type(exc).__name__}: {exc}")
         self._writes_unsnapped += self._writes_capturing

@@ -370,6 +370,7 @@ class WorkerNode:
         plugin = load_plugin(name, plugin_settings)
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
+                                         snapshot_state_ratio=float(s.get("snapshot_state_ratio", GroupSettings.snapshot_state_ratio)),
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"]),
                                          lease_ms=int(s["lease_ms"])),
                            self.transport, self, self.log, self.pass_stats)

@@ -1351,6 +1351,8 @@ class Replica:
             # Computed now, not when the compaction happens: by then the
             # dedup table would have to be replayed from the old snapshot.
             prepared = self._prepared.pop(seq, None)
+            if prepared is None and c.meta is not None and c.meta.seq == seq:
+                prepared = c.meta  # this core's own TakeSnapshot meta, kept by the shell
             self._compact_meta = prepared if prepared is not None else self._snapshot_meta_at(seq)
         self._maybe_compact()
 

@@ -324,6 +324,10 @@ class Compact:
     """The plugin has durably snapshotted its state at `seq`."""
 
     seq: int
+    # The TakeSnapshot meta the shell wrote beside it, when it had one: the
+    # core keeps only two prepared metas, and one it dropped meanwhile (the
+    # shell skips or defers points) would cost a replay of the dedup table.
+    meta: SnapshotMeta | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True, frozen=True)

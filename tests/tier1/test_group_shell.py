@@ -781,3 +781,49 @@ async def test_a_growing_state_spaces_its_snapshots_and_an_unchanging_one_does_n
         assert sizes == [5, 5, 5, 5]
     finally:
         await same.close()
+
+
+async def test_the_capture_being_written_compacts_without_a_replay_of_the_dedup_table(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The core keeps two prepared metas: the oldest point and the newest. The
+    # oldest may be one the shell deferred (the point at 15 items) and the
+    # newest one asked for while a capture is written: the capture's own meta
+    # is gone, and Compact would replay the dedup table from the previous
+    # snapshot on the group's loop (up to 10 x snapshot_every writes). The
+    # shell hands the meta back instead.
+    g = await _single_voter(tmp_path, snapshot_every=5)
+    replica = g.replica
+    assert replica is not None
+    replays: list[int] = []
+    meta_at = replica._snapshot_meta_at
+
+    def counted(seq: int, exact: Any = None) -> Any:
+        if exact is None:
+            replays.append(seq)
+        return meta_at(seq, exact)
+    monkeypatch.setattr(replica, "_snapshot_meta_at", counted)
+    gate: _GatedCapture | None = None
+    try:
+        for i in range(4):  # points at 5, 10, 15 (deferred), 20 items
+            if i == 3:
+                gate = _GatedCapture(g.plugin)  # hold the write of the capture at 20
+            out = await g.write_many([(put(5 * i + k), f"u{i}.{k}") for k in range(5)], "quorum", 5.0)
+            assert all(o.ok for o in out)
+            if i < 3:
+                await _until(lambda: not g._plugin_writes)
+        await _until(lambda: bool(g._plugin_writes))
+        (writing,) = list(g._plugin_writes)
+        for j in range(2):  # two more points while it is written
+            out = await g.write_many([(put(100 + 5 * j + k), f"v{j}.{k}") for k in range(5)], "quorum", 5.0)
+            assert all(o.ok for o in out)
+        assert writing not in replica._prepared  # dropped by the core meanwhile
+        assert gate is not None
+        gate.release.set()
+        await _until(lambda: replica.snapshot_seq == writing and not g._plugin_writes)
+        assert replays == []
+        snap = g.latest_snapshot()
+        assert snap is not None and snap.seq == writing
+    finally:
+        if gate is not None:
+            gate.release.set()
+        await g.close()

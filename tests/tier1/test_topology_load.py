@@ -198,6 +198,13 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
      [("settings.hot_latency_ratio", "must be greater than 1 and at most 100 (a leader is compared with the median")]),
     ("hot-ratio-bool", mutated(setp("settings.hot_latency_ratio", True)), None,
      [("settings.hot_latency_ratio", "expected a number, got boolean")]),
+    ("snapshot-ratio-negative", mutated(setp("settings.snapshot_state_ratio", -0.5)), None,
+     [("settings.snapshot_state_ratio", "must be greater than 0 and at most 100 (writes since the last snapshot "
+                                        "per record of the state, or exactly 0")]),
+    ("snapshot-ratio-bool", mutated(setp("settings.snapshot_state_ratio", False)), None,
+     [("settings.snapshot_state_ratio", "expected a number, got boolean")]),
+    ("snapshot-ratio-string", mutated(setp("settings.snapshot_state_ratio", "half")), None,
+     [("settings.snapshot_state_ratio", "expected a number, got string")]),
     ("hot-threshold-zero", mutated(setp("settings.hot_worker_threshold", 0)), None,
      [("settings.hot_worker_threshold", "must be greater than 0 and at most 100")]),
     ("hot-relief-not-bool", mutated(setp("settings.hot_relief", "no")), None,
@@ -445,3 +452,12 @@ def test_a_document_nested_past_the_parsers_stack_is_a_topology_error(text: str)
     # Found by tests/tier1/test_fuzz_meta.py: PyYAML's RecursionError became a 500 on PUT /v1/topology.
     with pytest.raises(TopologyError, match="invalid YAML"):
         load_topology(text)
+
+
+@pytest.mark.parametrize("raw, want", [(0, 0.0), (0.0, 0.0), (0.5, 0.5), (2, 2.0)])
+def test_snapshot_state_ratio(raw: Any, want: float) -> None:
+    doc = base_doc()
+    doc["settings"] = {"snapshot_state_ratio": raw}
+    s = load_topology(dump(doc)).settings
+    assert s.snapshot_state_ratio == want and isinstance(s.snapshot_state_ratio, float)
+    assert Settings().snapshot_state_ratio == 0.5
