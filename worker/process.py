@@ -368,9 +368,11 @@ class WorkerNode:
         s = topo["settings"]
         name, plugin_settings = plugin_for(topo, gid)
         plugin = load_plugin(name, plugin_settings)
+        # A topology stored before the setting existed has no ratio: the default.
+        ratio = float(s.get("snapshot_state_ratio", GroupSettings.snapshot_state_ratio))
         shell = GroupShell(self.id, gid, self.cfg.data / "groups" / str(gid), plugin,
                            GroupSettings(fsync=s["fsync"], snapshot_every=int(s["snapshot_every"]),
-                                         snapshot_state_ratio=float(s.get("snapshot_state_ratio", GroupSettings.snapshot_state_ratio)),
+                                         snapshot_state_ratio=ratio,
                                          quorum_timeout_ms=int(s["quorum_timeout_ms"]),
                                          lease_ms=int(s["lease_ms"])),
                            self.transport, self, self.log, self.pass_stats)
