@@ -294,3 +294,16 @@ def test_group_shell_releases_its_wal_when_open_fails(tmp_path: Path, monkeypatc
         shell.open()
     assert shell.wal is None
     Wal.open(tmp_path / "wal").close()  # not held any more
+
+
+async def test_a_group_opens_with_the_topology_snapshot_ratio_or_the_default_without_one(node: WorkerNode) -> None:
+    # A topology stored before settings.snapshot_state_ratio existed has none.
+    view = _view(1, {0: (1, "w1", ["w1"])})
+    node._apply_view(view)
+    await _until(lambda: _ready(node, 0))
+    assert node.groups[0].settings.snapshot_state_ratio == 0.5
+    view = _view(2, {0: (1, "w1", ["w1"]), 1: (1, "w1", ["w1"])})
+    view["topology"]["settings"]["snapshot_state_ratio"] = 0.0
+    node._apply_view(view)
+    await _until(lambda: _ready(node, 1))
+    assert node.groups[1].settings.snapshot_state_ratio == 0.0
