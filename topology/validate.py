@@ -67,16 +67,16 @@ MAX_GROUP_WEIGHTS_BYTES = 7 << 20
 SETTINGS_INTS = ("quorum_timeout_ms", "lease_ms", "deadline_ms", "snapshot_every", "embedding_dim",
                  "replace_after_ms", "assignment_timeout_ms", "rebalance_window_ms", "snapshot_concurrency",
                  "snapshot_rate_mb_s")
-# Integer settings that may be 0, and what 0 means there (runbook/topology.md says it too).
-SETTINGS_ZERO_MEANS = {"snapshot_rate_mb_s": "unlimited"}
+# Settings that may be 0 below their range, and what 0 means there (runbook/topology.md says it too).
+SETTINGS_ZERO_MEANS = {"snapshot_rate_mb_s": "unlimited",
+                       "snapshot_state_ratio": "a snapshot every snapshot_every writes, whatever the state's size"}
 SETTINGS_ENUMS = {"ack": ACK_MODES, "fsync": FSYNC_MODES}
 # key -> (exclusive lower bound, upper bound, why the lower bound): ratios, not counts.
 SETTINGS_FLOATS = {
     "hot_latency_ratio": (1.0, 100.0, "a leader is compared with the median of its group, itself included: "
                                       "at 1 or below every busy leader would count as hot"),
     "hot_worker_threshold": (0.0, 100.0, "a fraction above the mean load (0.5 = 50 % above)"),
-    "snapshot_state_ratio": (0.0, 100.0, "writes since the last snapshot per record of the state, "
-                                         "or exactly 0 to snapshot every snapshot_every writes"),
+    "snapshot_state_ratio": (0.0, 100.0, "writes since the last snapshot per record of the state"),
 }
 SETTINGS_BOOLS = ("hot_relief",)
 # A decision window shorter than a few heartbeats (lease_ms / 5 apart) would
@@ -166,13 +166,18 @@ class _Checker:
             return None
         return v
 
-    def want_ratio(self, v: object, path: str, above: float, hi: float, why: str) -> float | None:
+    def want_ratio(self, v: object, path: str, above: float, hi: float, why: str,
+                   zero: str | None = None) -> float | None:
+        """A number in (above, hi]; also exactly 0 when `zero` says what 0 means."""
         # An integer is a ratio too (`hot_latency_ratio: 3`); a boolean is not.
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
             self.add(path, f"expected a number, got {'NaN' if v != v else _type_name(v)}")
             return None
+        if zero is not None and v == 0:
+            return 0.0
         if not above < v <= hi:
-            self.add(path, f"must be greater than {above:g} and at most {hi:g} ({why}), got {v}")
+            also = f", or 0 ({zero})" if zero is not None else ""
+            self.add(path, f"must be greater than {above:g} and at most {hi:g} ({why}){also}, got {v}")
             return None
         return float(v)
 
@@ -400,10 +405,8 @@ def _settings(c: _Checker, raw: object) -> Settings | None:
         path = f"settings.{key}"
         if key in SETTINGS_ENUMS:
             v: Any = c.want_choice(m[key], path, SETTINGS_ENUMS[key])
-        elif key == "snapshot_state_ratio" and m[key] == 0 and not isinstance(m[key], bool):
-            v = 0.0  # off: a snapshot every snapshot_every writes, whatever the state's size
         elif key in SETTINGS_FLOATS:
-            v = c.want_ratio(m[key], path, *SETTINGS_FLOATS[key])
+            v = c.want_ratio(m[key], path, *SETTINGS_FLOATS[key], zero=SETTINGS_ZERO_MEANS.get(key))
         elif key in SETTINGS_BOOLS:
             v = c.want_bool(m[key], path)
         elif key == "allowed_versions":

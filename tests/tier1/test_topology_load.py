@@ -200,7 +200,7 @@ BAD: list[tuple[str, str | bytes, Topology | None, list[tuple[str, str]]]] = [
      [("settings.hot_latency_ratio", "expected a number, got boolean")]),
     ("snapshot-ratio-negative", mutated(setp("settings.snapshot_state_ratio", -0.5)), None,
      [("settings.snapshot_state_ratio", "must be greater than 0 and at most 100 (writes since the last snapshot "
-                                        "per record of the state, or exactly 0")]),
+                                        "per record of the state), or 0 (a snapshot every snapshot_every writes")]),
     ("snapshot-ratio-bool", mutated(setp("settings.snapshot_state_ratio", False)), None,
      [("settings.snapshot_state_ratio", "expected a number, got boolean")]),
     ("snapshot-ratio-string", mutated(setp("settings.snapshot_state_ratio", "half")), None,
