@@ -58,6 +58,8 @@ from aiohttp import web
 from gateway.batching import ShardWrites, shard_writes, spread_results
 from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
+from gateway.limits import (ACKS, CONSISTENCIES, MAX_BATCH, MAX_BODY_BYTES, MAX_DEADLINE_MS, MAX_DOC_BYTES,
+                            MAX_DOC_DEPTH, MAX_ID_BYTES, MAX_K, MAX_REQUEST_ID, OPERATOR_DEADLINE_MS, SIGNAL_MODES)
 from gateway.models import MAX_WEIGHTS_BYTES, ModelApi
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from gateway.admission import AdmissionState, keep_admitted
@@ -73,17 +75,8 @@ from shardgrid.common.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.common.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
 
-MAX_ID_BYTES = 256
-MAX_BATCH = 1000
-MAX_K = 1000
-MAX_DEADLINE_MS = 300_000
-MAX_DOC_BYTES = 1 << 20  # the workers' admission limit on a doc's JSON encoding
-MAX_DOC_DEPTH = 254  # the deepest nesting orjson encodes (it reads deeper)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-OPERATOR_DEADLINE_MS = 10_000
-ACKS = ("leader", "quorum", "all")
-CONSISTENCIES = ("strong", "follower")
-_RID = re.compile(r"[\x21-\x22\x24-\x7e]{1,100}")  # visible ASCII except '#', which batch rids use
+_RID = re.compile(rf"[\x21-\x22\x24-\x7e]{{1,{MAX_REQUEST_ID}}}")  # visible ASCII except '#', which batch rids use
 _DIGITS = re.compile(r"[0-9]{1,19}")
 
 TRACE_KEY: web.RequestKey[Trace] = web.RequestKey("gateway_trace", Trace)
@@ -95,7 +88,7 @@ class GatewayConfig:
     meta: tuple[str, ...] = ()
     admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     access_log: bool = False  # one info line per request: an operator opt-in (CPU on every request)
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
     pool_size: int = 4096  # connections to workers and meta, all hosts together
     watch_timeout_s: float = 25.0
     # Its name in the cluster (principal gateway:ID; default: its listen address).
@@ -223,7 +216,7 @@ def signal_op(body: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
     mode = body.get("mode")
     if mode is None:
         mode = "incr"
-    elif mode not in ("incr", "set"):
+    elif mode not in SIGNAL_MODES:
         raise _bad(f"{where}mode must be 'incr' or 'set', got {_short(mode)}")
     return entity, {"kind": "signal", "entity": entity, "name": name, "value": value, "mode": mode}
 
