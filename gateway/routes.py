@@ -35,6 +35,10 @@ Embeddings mirror items (`GET` -> `{"id", "vector"}`). `POST /search` ->
 no shard answered). `POST /batch` -> `{"results": [...]}` in request order,
 each `{"shard", "seq", "term", "served_by", "result"}` or an error body.
 
+`GET /openapi.json` serves this API as an OpenAPI document (gateway/openapi.py,
+rendered as runbook/api.md); a route added here must be documented there, or
+tests/tier1/test_openapi.py fails.
+
 Operator endpoints under `/cluster/` need the admin token when the gateway
 has one (`--admin-token-file`); the POST verbs also forward the client's
 bearer token to meta, which decides, and their status and body come back
@@ -61,6 +65,7 @@ from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, Worker
 from gateway.limits import (ACKS, CONSISTENCIES, MAX_BATCH, MAX_BODY_BYTES, MAX_DEADLINE_MS, MAX_DOC_BYTES,
                             MAX_DOC_DEPTH, MAX_ID_BYTES, MAX_K, MAX_REQUEST_ID, OPERATOR_DEADLINE_MS, SIGNAL_MODES)
 from gateway.models import MAX_WEIGHTS_BYTES, ModelApi
+from gateway.openapi import document_bytes
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
@@ -80,6 +85,8 @@ _RID = re.compile(rf"[\x21-\x22\x24-\x7e]{{1,{MAX_REQUEST_ID}}}")  # visible ASC
 _DIGITS = re.compile(r"[0-9]{1,19}")
 
 TRACE_KEY: web.RequestKey[Trace] = web.RequestKey("gateway_trace", Trace)
+# Paths a gateway meta refused still serves: they say why, and touch no data.
+_SERVED_WHEN_REFUSED = ("/healthz", "/metrics", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -395,6 +402,7 @@ class Gateway:
         self.admission = AdmissionState()
         self._admission_task: asyncio.Task[None] | None = None
         self.models = ModelApi(self)
+        self._openapi = document_bytes()  # built once: the document depends on nothing that changes at run time
 
     @property
     def rt(self) -> _Runtime:
@@ -408,6 +416,7 @@ class Gateway:
         r = app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/metrics", self.metrics.http.handle_metrics)
+        r.add_get("/openapi.json", self.openapi)
         # {id:.*}: ids may contain '/', and an empty id gets a 400 rather than a 404.
         r.add_put("/items/{id:.*}", self.put_item)
         r.add_get("/items/{id:.*}", self.get_item)
@@ -473,7 +482,7 @@ class Gateway:
         resp: web.StreamResponse
         try:
             try:
-                if self.admission.state == "refused" and not request.path.startswith(("/healthz", "/metrics")):
+                if self.admission.state == "refused" and not request.path.startswith(_SERVED_WHEN_REFUSED):
                     self.admission.check()
                 resp = await handler(request)
             except Exception as exc:  # noqa: BLE001 - error_for answers (500 for the unexpected) or re-raises
@@ -692,6 +701,10 @@ class Gateway:
         if self.cfg.cluster_keys is not None:
             body["admission"] = self.admission.state
         return json_response(body)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The API reference (gateway/openapi.py); public, like /healthz: it holds no cluster data."""
+        return web.Response(body=self._openapi, content_type="application/json")
 
     # -- operator verbs
 
