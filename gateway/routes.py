@@ -20,7 +20,9 @@ must never reuse one for a different write. `/batch` write i uses
 `<request id>#<i>`, except that a shard's puts go together as one write,
 `<request id>#s<shard>` (gateway/batching.py).
 
-Response headers: `x-request-id` always; `x-shard`, `x-term`, `x-seq`,
+Response headers: `x-request-id` on data requests once their headers are
+valid (`_begin`; not on a 400 for a header, nor on a 408/413 for the body,
+which `body_deadline` answers first); `x-shard`, `x-term`, `x-seq`,
 `x-served-by` on single-entity requests (from the worker that answered);
 `retry-after` on 503.
 

@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from gateway import routes
+from gateway.limits import MAX_BODY_BYTES
 from gateway.openapi import MARKDOWN_PATH, REGENERATE, build_document, main, operations, render_markdown
 from gateway.routes import Gateway, GatewayConfig
 from shardgrid.common.wire import STATUS_FOR_CODE
@@ -320,3 +321,6 @@ async def test_x_request_id_is_answered_as_documented(aiohttp_server: Any, aioht
     assert bad_body.status == 400 and bad_body.headers["x-request-id"] == "r-2"
     bad_header = await client.put("/items/a", data=b"{}", headers={"x-request-id": "r-3", "x-ack": "most"})
     assert bad_header.status == 400 and "x-request-id" not in bad_header.headers
+    too_large = await client.put("/items/a", data=b"1" * (MAX_BODY_BYTES + 1), headers={"x-request-id": "r-4"})
+    assert too_large.status == 413 and "x-request-id" not in too_large.headers
+    assert (await too_large.json())["error"]["code"] == "payload_too_large"
