@@ -159,11 +159,19 @@ def _t(kind: str | list[str], description: str | None = None, **more: Any) -> di
     return schema
 
 
-_ID = _t("string", f"1 to {MAX_ID_BYTES} UTF-8 bytes; any characters, `/` included", minLength=1)
-_SEQ = _t(["integer", "null"], "the write's position in its shard's log (null for an `x-ack: leader` write "
-          "answered before it had one)")
-_VECTOR = _t("array", "exactly the topology's `settings.embedding_dim` finite numbers, within the float32 range "
-             "and not all zero (search is cosine)", items={"type": "number"})
+# Functions, not module-level dicts: every document gets its own (a caller may change the one it got).
+def _id() -> dict[str, Any]:
+    return _t("string", f"1 to {MAX_ID_BYTES} UTF-8 bytes; any characters, `/` included", minLength=1)
+
+
+def _seq() -> dict[str, Any]:
+    return _t(["integer", "null"], "the write's position in its shard's log (null for an `x-ack: leader` write "
+              "answered before it had one)")
+
+
+def _vector() -> dict[str, Any]:
+    return _t("array", "exactly the topology's `settings.embedding_dim` finite numbers, within the float32 range "
+              "and not all zero (search is cosine)", items={"type": "number"})
 
 
 def _schemas() -> dict[str, Any]:
@@ -194,56 +202,56 @@ def _schemas() -> dict[str, Any]:
         "Doc": {"description": f"any JSON value, at most {_size(MAX_DOC_BYTES)} encoded and {MAX_DOC_DEPTH} levels "
                                "deep; `GET` answers it as stored"},
         "PutResult": _obj({
-            "id": _ID,
+            "id": _id(),
             "created": _t(["boolean", "null"], "true for a new id; null when a retry was answered from the dedup "
                           "table or with `x-ack: leader`"),
-            "seq": _SEQ,
+            "seq": _seq(),
         }, ("id", "created", "seq")),
         "DeleteResult": _obj({
-            "id": _ID,
+            "id": _id(),
             "deleted": _t(["boolean", "null"], "true; null when a retry was answered from the dedup table"),
-            "seq": _SEQ,
+            "seq": _seq(),
         }, ("id", "deleted", "seq")),
         "SignalWrite": _obj({
-            "entity": _ID,
+            "entity": _id(),
             "kind": _t("string", f"the signal's name, 1 to {MAX_ID_BYTES} UTF-8 bytes", minLength=1),
             "value": _t("number", "an int64 or a finite number"),
             "mode": _t("string", "`incr` adds to a counter, `set` keeps the last value",
                        enum=list(SIGNAL_MODES), default="incr"),
         }, ("entity", "kind", "value"), closed=True),
         "SignalResult": _obj({
-            "entity": _ID, "kind": _t("string"), "mode": _t("string", enum=list(SIGNAL_MODES)),
+            "entity": _id(), "kind": _t("string"), "mode": _t("string", enum=list(SIGNAL_MODES)),
             "value": _t(["number", "null"], "the counter's new total, or the value set; null when answered from "
                         "the dedup table"),
-            "seq": _SEQ,
+            "seq": _seq(),
         }, ("entity", "kind", "mode", "value", "seq")),
         "Signals": _obj({
-            "entity": _ID,
+            "entity": _id(),
             "counters": _t("object", "counter totals by kind", additionalProperties={"type": "number"}),
             "last": _t("object", "last values by kind (`mode: set`)", additionalProperties={"type": "number"}),
         }, ("entity", "counters", "last")),
-        "EmbeddingWrite": _obj({"vector": _VECTOR}, ("vector",), closed=True),
-        "Embedding": _obj({"id": _ID, "vector": _t("array", items={"type": "number"})}, ("id", "vector")),
+        "EmbeddingWrite": _obj({"vector": _vector()}, ("vector",), closed=True),
+        "Embedding": _obj({"id": _id(), "vector": _t("array", items={"type": "number"})}, ("id", "vector")),
         "SearchRequest": _obj({
-            "vector": _VECTOR,
+            "vector": _vector(),
             "k": _t("integer", "how many results", minimum=1, maximum=MAX_K),
         }, ("vector", "k"), closed=True),
         "SearchResult": _obj({
             "results": _t("array", "the k best by cosine similarity, best first",
-                          items=_obj({"id": _ID, "score": _t("number")}, ("id", "score"))),
+                          items=_obj({"id": _id(), "score": _t("number")}, ("id", "score"))),
             "degraded": _t("boolean", "some shard did not answer in time: the results lack its embeddings"),
             "unavailable_shards": _t("array", items={"type": "integer"}),
         }, ("results", "degraded", "unavailable_shards")),
         "BatchWrite": {"oneOf": [
-            _obj({"op": _t("string", const="put_item"), "id": _ID, "doc": _ref("Doc")}, ("op", "id", "doc"),
+            _obj({"op": _t("string", const="put_item"), "id": _id(), "doc": _ref("Doc")}, ("op", "id", "doc"),
                  closed=True),
-            _obj({"op": _t("string", const="delete_item"), "id": _ID}, ("op", "id"), closed=True),
-            _obj({"op": _t("string", const="signal"), "entity": _ID, "kind": _t("string", minLength=1),
+            _obj({"op": _t("string", const="delete_item"), "id": _id()}, ("op", "id"), closed=True),
+            _obj({"op": _t("string", const="signal"), "entity": _id(), "kind": _t("string", minLength=1),
                   "value": _t("number"), "mode": _t("string", enum=list(SIGNAL_MODES), default="incr")},
                  ("op", "entity", "kind", "value"), closed=True),
-            _obj({"op": _t("string", const="put_embedding"), "id": _ID, "vector": _VECTOR}, ("op", "id", "vector"),
+            _obj({"op": _t("string", const="put_embedding"), "id": _id(), "vector": _vector()}, ("op", "id", "vector"),
                  closed=True),
-            _obj({"op": _t("string", const="delete_embedding"), "id": _ID}, ("op", "id"), closed=True),
+            _obj({"op": _t("string", const="delete_embedding"), "id": _id()}, ("op", "id"), closed=True),
         ], "description": "one write: `op` names its shape"},
         "BatchRequest": _obj({
             "writes": _t("array", f"1 to {MAX_BATCH} writes; write i has request id `<x-request-id>#<i>`, except "
@@ -251,7 +259,7 @@ def _schemas() -> dict[str, Any]:
                          items=_ref("BatchWrite"), minItems=1, maxItems=MAX_BATCH),
         }, ("writes",), closed=True),
         "BatchItemResult": _obj({
-            "shard": _t("integer"), "seq": _SEQ, "term": _t(["integer", "null"]),
+            "shard": _t("integer"), "seq": _seq(), "term": _t(["integer", "null"]),
             "served_by": _t("string", "the worker that led the group"),
             "result": {"description": "the worker's result: `{created}` for a put, `{deleted}` for a delete "
                                       "(false: nothing to delete), the new value for a signal; null when "
@@ -386,9 +394,9 @@ def _parameters() -> dict[str, Any]:
                              "uuid4 hex when absent. A write's dedup id at the workers: resend a write with the "
                              "same id to retry it (applied once), and never reuse an id for another write.",
                              _t("string", pattern=f"^[\\x21-\\x22\\x24-\\x7e]{{1,{MAX_REQUEST_ID}}}$")),
-        "ItemId": path("id", "the item's id (may contain `/`)", _ID),
-        "EmbeddingId": path("id", "the embedding's id (may contain `/`)", _ID),
-        "Entity": path("entity", "the entity's id (may contain `/`)", _ID),
+        "ItemId": path("id", "the item's id (may contain `/`)", _id()),
+        "EmbeddingId": path("id", "the embedding's id (may contain `/`)", _id()),
+        "Entity": path("entity", "the entity's id (may contain `/`)", _id()),
         "ModelName": path("name", "a model of the topology's `models:`", _t("string")),
         "ShardId": path("gid", "the shard (group) id", _t("integer", minimum=0)),
         "WeightsVersion": {"name": "version", "in": "query", "required": False,

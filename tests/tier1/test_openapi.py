@@ -163,6 +163,13 @@ def test_document_structure(doc: dict[str, Any]) -> None:
         assert "schema" in header and header["description"], name
 
 
+def test_each_document_is_its_own() -> None:
+    first = build_document()
+    first["components"]["schemas"]["PutResult"]["properties"]["id"]["minLength"] = 99
+    first["components"]["parameters"]["XAck"]["schema"]["enum"].append("none")
+    assert build_document() == orjson.loads(orjson.dumps(build_document())) != first
+
+
 # -- error codes -----------------------------------------------------------------------------------
 
 
