@@ -20,7 +20,9 @@ must never reuse one for a different write. `/batch` write i uses
 `<request id>#<i>`, except that a shard's puts go together as one write,
 `<request id>#s<shard>` (gateway/batching.py).
 
-Response headers: `x-request-id` always; `x-shard`, `x-term`, `x-seq`,
+Response headers: `x-request-id` on data requests once their headers are
+valid (`_begin`; not on a 400 for a header, nor on a 408/413 for the body,
+which `body_deadline` answers first); `x-shard`, `x-term`, `x-seq`,
 `x-served-by` on single-entity requests (from the worker that answered);
 `retry-after` on 503.
 
@@ -34,6 +36,10 @@ Embeddings mirror items (`GET` -> `{"id", "vector"}`). `POST /search` ->
 `{"results": [{"id", "score"}], "degraded", "unavailable_shards"}` (503 when
 no shard answered). `POST /batch` -> `{"results": [...]}` in request order,
 each `{"shard", "seq", "term", "served_by", "result"}` or an error body.
+
+`GET /openapi.json` serves this API as an OpenAPI document (gateway/openapi.py,
+rendered as runbook/api.md); a route added here must be documented there, or
+tests/tier1/test_openapi.py fails.
 
 Operator endpoints under `/cluster/` need the admin token when the gateway
 has one (`--admin-token-file`); the POST verbs also forward the client's
@@ -58,7 +64,10 @@ from aiohttp import web
 from gateway.batching import ShardWrites, shard_writes, spread_results
 from gateway.calls import WorkerCalls
 from gateway.forward import Forwarder, GatewayMetrics, RouteCache, Trace, WorkerReply
+from gateway.limits import (ACKS, CONSISTENCIES, MAX_BATCH, MAX_BODY_BYTES, MAX_DEADLINE_MS, MAX_DOC_BYTES,
+                            MAX_DOC_DEPTH, MAX_ID_BYTES, MAX_K, MAX_REQUEST_ID, OPERATOR_DEADLINE_MS, SIGNAL_MODES)
 from gateway.models import MAX_WEIGHTS_BYTES, ModelApi
+from gateway.openapi import document_bytes
 from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S, RoutingTable, merge_top_k
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
@@ -73,20 +82,13 @@ from shardgrid.common.tls import NO_TLS, Tls, connector_ssl
 from shardgrid.common.wire import LOGGER_KEY, ApiError, error_body, error_for, json_response, short_repr
 from topology.routing import shard_function
 
-MAX_ID_BYTES = 256
-MAX_BATCH = 1000
-MAX_K = 1000
-MAX_DEADLINE_MS = 300_000
-MAX_DOC_BYTES = 1 << 20  # the workers' admission limit on a doc's JSON encoding
-MAX_DOC_DEPTH = 254  # the deepest nesting orjson encodes (it reads deeper)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-OPERATOR_DEADLINE_MS = 10_000
-ACKS = ("leader", "quorum", "all")
-CONSISTENCIES = ("strong", "follower")
-_RID = re.compile(r"[\x21-\x22\x24-\x7e]{1,100}")  # visible ASCII except '#', which batch rids use
+_RID = re.compile(rf"[\x21-\x22\x24-\x7e]{{1,{MAX_REQUEST_ID}}}")  # visible ASCII except '#', which batch rids use
 _DIGITS = re.compile(r"[0-9]{1,19}")
 
 TRACE_KEY: web.RequestKey[Trace] = web.RequestKey("gateway_trace", Trace)
+# Paths a gateway meta refused still serves: they say why, and touch no data.
+_SERVED_WHEN_REFUSED = ("/healthz", "/metrics", "/openapi.json")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class GatewayConfig:
     meta: tuple[str, ...] = ()
     admin_token: str | None = field(default=None, repr=False)  # never in a log line or traceback
     access_log: bool = False  # one info line per request: an operator opt-in (CPU on every request)
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
     pool_size: int = 4096  # connections to workers and meta, all hosts together
     watch_timeout_s: float = 25.0
     # Its name in the cluster (principal gateway:ID; default: its listen address).
@@ -223,7 +225,7 @@ def signal_op(body: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
     mode = body.get("mode")
     if mode is None:
         mode = "incr"
-    elif mode not in ("incr", "set"):
+    elif mode not in SIGNAL_MODES:
         raise _bad(f"{where}mode must be 'incr' or 'set', got {_short(mode)}")
     return entity, {"kind": "signal", "entity": entity, "name": name, "value": value, "mode": mode}
 
@@ -402,6 +404,7 @@ class Gateway:
         self.admission = AdmissionState()
         self._admission_task: asyncio.Task[None] | None = None
         self.models = ModelApi(self)
+        self._openapi = document_bytes()  # built once: the document depends on nothing that changes at run time
 
     @property
     def rt(self) -> _Runtime:
@@ -415,6 +418,7 @@ class Gateway:
         r = app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/metrics", self.metrics.http.handle_metrics)
+        r.add_get("/openapi.json", self.openapi)
         # {id:.*}: ids may contain '/', and an empty id gets a 400 rather than a 404.
         r.add_put("/items/{id:.*}", self.put_item)
         r.add_get("/items/{id:.*}", self.get_item)
@@ -480,7 +484,7 @@ class Gateway:
         resp: web.StreamResponse
         try:
             try:
-                if self.admission.state == "refused" and not request.path.startswith(("/healthz", "/metrics")):
+                if self.admission.state == "refused" and not request.path.startswith(_SERVED_WHEN_REFUSED):
                     self.admission.check()
                 resp = await handler(request)
             except Exception as exc:  # noqa: BLE001 - error_for answers (500 for the unexpected) or re-raises
@@ -699,6 +703,10 @@ class Gateway:
         if self.cfg.cluster_keys is not None:
             body["admission"] = self.admission.state
         return json_response(body)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The API reference (gateway/openapi.py); public, like /healthz: it holds no cluster data."""
+        return web.Response(body=self._openapi, content_type="application/json")
 
     # -- operator verbs
 
