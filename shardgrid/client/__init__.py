@@ -10,9 +10,9 @@
 """
 from shardgrid.client.aio import AsyncClient
 from shardgrid.client.errors import (BadRequest, ClientError, Conflict, DeadlineExceeded, Forbidden,
-                                     GatewayUnreachable, InternalError, MethodNotAllowed, NotFound, NotImplementedByServer,
-                                     NotLeader, OverBudget, Overloaded, PayloadTooLarge, QuorumTimeout, RequestTimeout,
-                                     ShardgridError, Unauthorized, Unavailable)
+                                     GatewayUnreachable, InternalError, MethodNotAllowed, NotFound,
+                                     NotImplementedByServer, NotLeader, OverBudget, Overloaded, PayloadTooLarge,
+                                     QuorumTimeout, RequestTimeout, ShardgridError, Unauthorized, Unavailable)
 from shardgrid.client.policy import RetryPolicy
 from shardgrid.client.results import (BatchEntry, BatchResult, Deleted, Embedding, Hit, InferResult, Item,
                                       SearchResult, Served, SignalWritten, Signals, Written)

@@ -273,7 +273,8 @@ class Core:
         def parse(r: Response, n: int) -> SearchResult:
             b = _dict(r.body)
             return SearchResult(hits=[Hit(h["id"], h["score"]) for h in b.get("results") or []],
-                                degraded=bool(b.get("degraded")), unavailable_shards=list(b.get("unavailable_shards") or []),
+                                degraded=bool(b.get("degraded")),
+                                unavailable_shards=list(b.get("unavailable_shards") or []),
                                 request_id=r.headers.get("x-request-id"), attempts=n)
 
         return Op(self._read("POST", "/search", _json({"vector": list(vector), "k": k}), consistency), parse,

@@ -276,7 +276,8 @@ class CallPlan:
                                            status=None, request_id=rid, applied=False,
                                            attempts=self.attempts), False)
         hint = " Its outcome is unknown: retry with the same request_id." if applied is None and rid else ""
-        cls = DeadlineExceeded if out_of_time or (last is not None and last.failure == "timeout") else GatewayUnreachable
+        timed_out = out_of_time or (last is not None and last.failure == "timeout")
+        cls = DeadlineExceeded if timed_out else GatewayUnreachable
         return Stop(cls(f"no answer after {self.attempts} attempts: {detail}.{hint}", status=None, request_id=rid,
                         applied=applied, attempts=self.attempts), applied)
 
