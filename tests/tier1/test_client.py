@@ -1,0 +1,524 @@
+"""shardgrid.client: the retry and idempotency rules, pure and against fake gateways.
+
+The policy (shardgrid/client/policy.py) is driven with a fake clock: what each
+attempt carries (request id, x-deadline-ms) and where it goes are asserted
+exactly, with no sleeping. The clients are then run against fake gateways
+(aiohttp servers on loopback answering from a script) and a port nobody
+listens on; the sync client gets a fake clock and sleep too.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pytest
+from aiohttp import web
+
+from shardgrid.client import (AsyncClient, BadRequest, Client, ClientError, DeadlineExceeded, GatewayUnreachable,
+                              NotFound, NotLeader, OverBudget, QuorumTimeout, RetryPolicy, ShardgridError,
+                              Unavailable)
+from shardgrid.client import errors
+from shardgrid.client.policy import Call, CallPlan, GatewayPool, Outcome, Send, Stop
+from shardgrid.common.wire import STATUS_FOR_CODE
+from topology.routing import shard_for
+
+
+# -- the policy, pure ----------------------------------------------------------------------------
+
+
+def plan(call: Call, gateways: int = 2, deadline: float = 5.0, **policy: Any) -> CallPlan:
+    return CallPlan(call, GatewayPool(gateways), RetryPolicy(**policy), deadline, random.Random(1))
+
+
+WRITE = Call("PUT", "/items/a", b"{}", "write", "rid-1")
+READ = Call("GET", "/items/a", None, "read")
+UNAVAILABLE = Outcome(status=503, code="unavailable", retry_after_s=1.0)
+
+
+def test_every_attempt_of_a_write_carries_its_one_request_id() -> None:
+    p = plan(WRITE, gateways=3)
+    step = p.start(0.0)
+    seen = []
+    for t, outcome in enumerate([Outcome(status=504, code="quorum_timeout"), Outcome(failure="broken"),
+                                 Outcome(failure="timeout"), UNAVAILABLE]):
+        assert isinstance(step, Send)
+        seen.append(step.headers["x-request-id"])
+        step = p.next(outcome, float(t) * 0.01)
+    assert isinstance(step, Send)
+    seen.append(step.headers["x-request-id"])
+    assert seen == ["rid-1"] * 5
+
+
+def test_a_bad_request_is_final() -> None:
+    p = plan(WRITE)
+    assert isinstance(p.start(0.0), Send)
+    stop = p.next(Outcome(status=400, code="bad_request"), 0.01)
+    assert isinstance(stop, Stop) and stop.error is None and stop.applied is False
+    assert p.attempts == 1
+
+
+@pytest.mark.parametrize("code", ["not_found", "payload_too_large", "over_budget", "not_implemented", "conflict"])
+def test_final_codes_are_not_resent(code: str) -> None:
+    p = plan(READ)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(status=STATUS_FOR_CODE[code], code=code), 0.0), Stop)
+
+
+def test_not_leader_moves_to_another_gateway_at_once() -> None:
+    p = plan(WRITE, gateways=2, deadline=20.0)
+    first = p.start(10.0)
+    assert isinstance(first, Send) and first.gateway == 0
+    second = p.next(Outcome(status=503, code="not_leader"), 10.1)
+    assert isinstance(second, Send) and second.gateway == 1 and second.at == 10.1
+
+
+def test_a_refused_connection_moves_on_and_marks_the_gateway_down_for_later_calls() -> None:
+    pool = GatewayPool(2)
+    p = CallPlan(READ, pool, RetryPolicy(gateway_down_s=2.0), 5.0, random.Random(1))
+    assert p.start(0.0).gateway == 0  # type: ignore[union-attr]
+    step = p.next(Outcome(failure="refused"), 0.0)
+    assert isinstance(step, Send) and step.gateway == 1
+    p.next(Outcome(status=200), 0.1)
+    later = CallPlan(READ, pool, RetryPolicy(), 5.0, random.Random(1))
+    assert later.start(0.2).gateway == 1  # type: ignore[union-attr]
+
+
+def test_a_write_without_a_request_id_is_resent_only_when_nothing_was_applied() -> None:
+    bare = Call("POST", "/signals", b"{}", "write", None)
+    p = plan(bare)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(failure="refused"), 0.0), Send)  # nothing sent
+    assert isinstance(p.next(Outcome(status=503, code="not_leader"), 0.0), Send)  # nothing applied
+    stop = p.next(Outcome(failure="broken"), 0.0)  # sent; maybe applied
+    assert isinstance(stop, Stop) and stop.error is not None and stop.applied is None
+    p2 = plan(bare)
+    p2.start(0.0)
+    assert isinstance(p2.next(Outcome(status=504, code="quorum_timeout"), 0.0), Stop)
+    # The same outcomes with a request id are resent.
+    p3 = plan(WRITE)
+    p3.start(0.0)
+    assert isinstance(p3.next(Outcome(failure="broken"), 0.0), Send)
+    assert isinstance(p3.next(Outcome(status=504, code="quorum_timeout"), 0.0), Send)
+
+
+def test_the_deadline_bounds_the_attempts_and_each_carries_what_is_left() -> None:
+    p = plan(READ, gateways=2, deadline=1.0, max_attempts=100, backoff_base_s=0.05, backoff_cap_s=0.2)
+    step = p.start(0.0)
+    budgets, ats = [], []
+    now = 0.0
+    while isinstance(step, Send):
+        assert step.at >= now
+        now = step.at + 0.005  # the gateway answers 5 ms after the attempt is sent
+        budgets.append(int(step.headers["x-deadline-ms"]))
+        ats.append(step.at)
+        assert budgets[-1] == int((1.0 - step.at) * 1000)
+        assert step.timeout_s == pytest.approx(1.0 - step.at + RetryPolicy().response_margin_s)
+        step = p.next(UNAVAILABLE, now)
+    assert budgets[0] == 1000 and budgets == sorted(budgets, reverse=True)
+    assert all(at <= 1.0 - RetryPolicy().min_attempt_s for at in ats)
+    # Going back to a tried gateway waits at least the retry-after of 1 s: so two attempts fit.
+    assert len(budgets) == 2
+    assert isinstance(step, Stop) and step.error is None  # the last answer (503) is what the caller gets
+
+
+def test_the_deadline_bounds_attempts_when_gateways_do_not_answer() -> None:
+    p = plan(WRITE, gateways=2, deadline=2.0, max_attempts=1000, backoff_cap_s=0.1)
+    step = p.start(0.0)
+    n = 0
+    while isinstance(step, Send):
+        n += 1
+        step = p.next(Outcome(failure="broken"), step.at + 0.05)
+    assert isinstance(step, Stop) and isinstance(step.error, ShardgridError)
+    assert step.applied is None and step.error.applied is None and "retry with the same request_id" in str(step.error)
+    # Every attempt costs at least 50 ms: at most 2.0 / 0.05 of them fit.
+    assert 2 < n <= 40 and p.attempts == n
+
+
+def test_a_deadline_too_short_for_any_attempt() -> None:
+    p = plan(READ, deadline=0.01)
+    stop = p.start(0.0)
+    assert isinstance(stop, Stop) and isinstance(stop.error, DeadlineExceeded)
+
+
+def test_max_attempts() -> None:
+    p = plan(READ, gateways=1, deadline=100.0, max_attempts=3)
+    step = p.start(0.0)
+    n = 0
+    while isinstance(step, Send):
+        n += 1
+        step = p.next(Outcome(status=503, code="overloaded", retry_after_s=0.0), step.at)
+    assert n == 3
+
+
+def test_a_write_is_not_resent_past_the_dedup_window() -> None:
+    p = plan(WRITE, gateways=2, deadline=100.0, write_retry_window_s=3.0)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(status=504, code="quorum_timeout"), 2.9), Send)
+    assert isinstance(p.next(Outcome(status=504, code="quorum_timeout"), 3.1), Stop)
+
+
+def test_internal_is_resent_once() -> None:
+    p = plan(WRITE)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(status=500, code="internal"), 0.0), Send)
+    stop = p.next(Outcome(status=500, code="internal"), 0.0)
+    assert isinstance(stop, Stop) and stop.applied is None
+
+
+def test_a_bare_proxy_503_is_an_unknown_outcome() -> None:
+    # A 502/503 without the gateway's error body says nothing about what was applied.
+    bare = Call("POST", "/signals", b"{}", "write", None)
+    p = plan(bare)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(status=503, code="unavailable", shaped=False), 0.0), Stop)
+
+
+def test_every_error_code_has_its_class() -> None:
+    assert errors.STATUS_FOR_CODE == STATUS_FOR_CODE  # the client's table mirrors the gateway's
+    families = {400: ClientError, 401: ClientError, 403: ClientError, 404: ClientError, 405: ClientError,
+                408: ClientError, 409: ClientError, 413: ClientError, 503: Unavailable, 504: DeadlineExceeded}
+    for code, status in STATUS_FOR_CODE.items():
+        exc = errors.error_from(status, {"error": {"code": code, "message": "m", "shard": 2, "term": 7}})
+        assert type(exc) is errors.CLASS_FOR_CODE[code] and exc.code == code and exc.status == status
+        assert exc.context == {"shard": 2, "term": 7} and exc.message == "m"
+        if status in families:
+            assert isinstance(exc, families[status]), code
+    assert isinstance(errors.error_from(404, "not json"), NotFound)
+    assert isinstance(errors.error_from(418, {}), ClientError)
+    assert isinstance(errors.error_from(503, {"error": {"code": "not_leader", "message": ""}}), NotLeader)
+    assert isinstance(errors.error_from(504, {"error": {"code": "quorum_timeout", "message": ""}}), QuorumTimeout)
+
+
+# -- fake gateways -------------------------------------------------------------------------------
+
+Answer = tuple[int, Any, dict[str, str]]
+
+
+@dataclass
+class Seen:
+    gateway: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class Fakes:
+    """Gateways on loopback answering from `script(gateway, seen)`; all of them in one thread."""
+
+    names: list[str]
+    script: Callable[[str, Seen], Answer]
+    seen: list[Seen] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._runners: list[web.AppRunner] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        for name in self.names:
+            self.urls.append(asyncio.run_coroutine_threadsafe(self._serve(name), self._loop).result(10))
+
+    async def _serve(self, name: str) -> str:
+        async def handle(request: web.Request) -> web.Response:
+            raw = await request.read()
+            s = Seen(name, request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()},
+                     json.loads(raw) if raw else None)
+            self.seen.append(s)
+            status, body, headers = self.script(name, s)
+            return web.json_response(body, status=status, headers=headers)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self._runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for r in self._runners:
+                await r.cleanup()
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture
+def fakes() -> Iterator[Callable[..., Fakes]]:
+    made: list[Fakes] = []
+
+    def make(script: Callable[[str, Seen], Answer], names: tuple[str, ...] = ("gw1", "gw2")) -> Fakes:
+        f = Fakes(list(names), script)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def refused_url() -> str:
+    """An address nobody listens on (bound, never listening: refused at once)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def err(code: str, **context: Any) -> Answer:
+    headers = {"retry-after": "1"} if STATUS_FOR_CODE[code] == 503 else {}
+    return STATUS_FOR_CODE[code], {"error": {"code": code, "message": f"fake {code}", **context}}, headers
+
+
+def ok(body: Any, shard: int = 1, term: int = 3, seq: int = 17, by: str = "w2", rid: str = "") -> Answer:
+    return 200, body, {"x-shard": str(shard), "x-term": str(term), "x-seq": str(seq), "x-served-by": by,
+                       "x-request-id": rid}
+
+
+class FakeTime:
+    """A clock the sync client sleeps on without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+def sync_client(urls: list[str], **kw: Any) -> Client:
+    t = FakeTime()
+    return Client(urls, clock=t.clock, sleep=t.sleep, seed=1, **kw)
+
+
+def run_both(urls: list[str], call: Callable[[Any], Any], **kw: Any) -> list[Any]:
+    """`call(client)` with a sync Client, then with an AsyncClient (its calls awaited)."""
+    out: list[Any] = []
+    with sync_client(urls, **kw) as c:
+        out.append(_catch(lambda: call(c)))
+
+    t = FakeTime()
+
+    async def fake_sleep(s: float) -> None:
+        t.sleep(s)
+
+    async def with_async() -> Any:
+        async with AsyncClient(urls, seed=1, clock=t.clock, sleep=fake_sleep, **kw) as ac:
+            try:
+                return await call(ac)
+            except ShardgridError as exc:
+                return exc
+
+    out.append(asyncio.run(with_async()))
+    return out
+
+
+def _catch(f: Callable[[], Any]) -> Any:
+    try:
+        return f()
+    except ShardgridError as exc:
+        return exc
+
+
+# -- the clients against fakes -------------------------------------------------------------------
+
+
+def test_a_write_retried_through_failures_keeps_its_request_id_and_result_carries_where_it_was_served(
+        fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        n = sum(1 for x in f.seen if x.headers.get("x-request-id") == s.headers.get("x-request-id"))
+        if n == 1:
+            return err("quorum_timeout", shard=1)
+        if n == 2:
+            return err("unavailable")
+        return ok({"entity": "u1", "kind": "n", "mode": "incr", "value": None, "seq": 17},
+                  rid=s.headers["x-request-id"])
+
+    f = fakes(script)
+    sync_res, async_res = run_both(f.urls, lambda c: c.incr("u1", "n", 2))
+    for res in (sync_res, async_res):
+        assert res.shard == 1 and res.term == 3 and res.seq == 17 and res.served_by == "w2"
+        assert res.attempts == 3 and res.entity == "u1" and res.value is None
+    posts = [s for s in f.seen if s.path == "/signals"]
+    assert len(posts) == 6
+    rids = [s.headers["x-request-id"] for s in posts]
+    assert rids[0] == rids[1] == rids[2] and rids[3] == rids[4] == rids[5] and rids[0] != rids[3]
+    assert sync_res.request_id == rids[0] and async_res.request_id == rids[3]
+    assert all(s.body == {"entity": "u1", "kind": "n", "value": 2, "mode": "incr"} for s in posts)
+    # Failed attempts moved from one gateway to the other.
+    assert [s.gateway for s in posts[:3]] == ["gw1", "gw2", "gw1"]
+
+
+def test_a_caller_request_id_is_the_one_sent(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: ok({"id": "a", "created": True, "seq": 5}))
+    with sync_client(f.urls) as c:
+        assert c.put("a", {"v": 1}, request_id="mine-1").created is True
+    assert f.seen[0].headers["x-request-id"] == "mine-1" and f.seen[0].body == {"v": 1}
+    with pytest.raises(ValueError):
+        sync_client(f.urls).put("a", 1, request_id="has#hash")
+
+
+def test_a_400_is_not_retried(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: err("bad_request"))
+    for res in run_both(f.urls, lambda c: c.put("a", {"v": 1})):
+        assert isinstance(res, BadRequest) and res.status == 400 and res.code == "bad_request"
+        assert res.applied is False and res.attempts == 1 and res.message == "fake bad_request"
+    assert len(f.seen) == 2  # one per client
+
+
+def test_not_leader_is_retried_on_the_other_gateway(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: err("not_leader", leader="w3") if gw == "gw1" else ok({"v": 1}, by="w3"))
+    for res in run_both(f.urls, lambda c: c.get("k")):
+        assert res.doc == {"v": 1} and res.served_by == "w3" and res.attempts == 2
+    assert [s.gateway for s in f.seen] == ["gw1", "gw2", "gw1", "gw2"]
+
+
+def test_a_refused_gateway_moves_on_to_the_next(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: ok({"id": "a", "created": True, "seq": 9}, seq=9), names=("gw2",))
+    urls = [refused_url(), f.urls[0]]
+    with sync_client(urls) as c:
+        first = c.put("a", {})
+        second = c.put("b", {})
+    assert first.seq == 9 and first.attempts == 2
+    assert second.attempts == 1  # the refusing gateway is tried last for a while
+
+    async def go() -> Any:
+        async with AsyncClient(urls, seed=1) as ac:
+            return await ac.put("a", {})
+
+    assert asyncio.run(go()).attempts == 2
+    assert len(f.seen) == 3
+
+
+def test_no_gateway_answering_is_gateway_unreachable() -> None:
+    for res in run_both([refused_url(), refused_url()], lambda c: c.put("a", {})):
+        assert isinstance(res, GatewayUnreachable) and res.applied is False and res.status is None
+
+
+def test_the_deadline_bounds_retries_and_x_deadline_ms_carries_the_rest(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: err("unavailable"))
+    t = FakeTime()
+    with Client(f.urls, clock=t.clock, sleep=t.sleep, seed=1, deadline_s=3.5) as c:
+        with pytest.raises(Unavailable) as info:
+            c.put("a", {})
+    budgets = [int(s.headers["x-deadline-ms"]) for s in f.seen]
+    # gw1, gw2 at once; then back to one after retry-after each time (1 s, no real sleeping): 5 attempts fit.
+    assert budgets == [3500, 3500, 2500, 1500, 500]
+    assert info.value.attempts == 5 and info.value.applied is False
+    assert t.slept == [1.0, 1.0, 1.0]
+
+
+def test_read_your_writes_carries_x_min_seq_for_the_entity_shard(fakes: Callable[..., Fakes]) -> None:
+    shards = 3
+    key = "user-1"
+    other = next(k for k in (f"x{i}" for i in range(100)) if shard_for(k, shards) != shard_for(key, shards))
+
+    def script(gw: str, s: Seen) -> Answer:
+        if s.path == "/healthz":
+            return 200, {"ok": True, "shards": shards}, {}
+        if s.method == "POST":
+            entity = s.body["entity"]
+            return ok({"entity": entity, "value": 1, "seq": 41}, shard=shard_for(entity, shards), seq=41)
+        entity = s.path.rsplit("/", 1)[1]
+        return ok({"entity": entity, "counters": {"n": 1}, "last": {}}, shard=shard_for(entity, shards), seq=41)
+
+    f = fakes(script)
+    for res in run_both(f.urls, lambda c: c.incr(key, "n"), read_your_writes=True):
+        assert res.seq == 41
+    with sync_client(f.urls, read_your_writes=True, consistency="follower") as c:
+        before = c.signals(key)  # nothing written yet: no x-min-seq, no /healthz
+        c.incr(key, "n")
+        c.signals(key)
+        c.signals(other)
+    assert before.counters == {"n": 1}
+    reads = [s for s in f.seen if s.method == "GET" and s.path.startswith("/signals/")]
+    assert [r.headers.get("x-min-seq") for r in reads] == [None, "41", None]
+    assert all(r.headers["x-consistency"] == "follower" for r in reads)
+    assert sum(1 for s in f.seen if s.path == "/healthz") == 1
+
+    async def go() -> None:
+        async with AsyncClient(f.urls, read_your_writes=True) as ac:
+            await ac.incr(key, "n")
+            await ac.signals(key)
+
+    f.seen.clear()
+    asyncio.run(go())
+    assert [s.headers.get("x-min-seq") for s in f.seen if s.path.startswith("/signals/")] == ["41"]
+
+
+def test_a_batch_with_failed_entries_is_resent_whole_with_its_request_id(fakes: Callable[..., Fakes]) -> None:
+    rounds: list[str] = []
+
+    def script(gw: str, s: Seen) -> Answer:
+        rounds.append(s.headers["x-request-id"])
+        if len(rounds) % 2 == 1:
+            return 200, {"results": [{"shard": 0, "seq": 4, "term": 2, "served_by": "w1", "result": {"id": "a"}},
+                                     {"error": {"code": "unavailable", "message": "no leader", "shard": 1}},
+                                     {"error": {"code": "bad_request", "message": "never"}}]}, {}
+        return 200, {"results": [{"shard": 0, "seq": 4, "term": 2, "served_by": "w1", "result": None},
+                                 {"shard": 1, "seq": 8, "term": 5, "served_by": "w2", "result": 3},
+                                 {"error": {"code": "bad_request", "message": "never"}}]}, {}
+
+    f = fakes(script)
+    writes = [{"op": "put_item", "id": "a", "doc": 1}, {"op": "signal", "entity": "e", "kind": "n", "value": 3},
+              {"op": "delete_item", "id": "c"}]
+    for res in run_both(f.urls, lambda c: c.batch(writes)):
+        assert res.results[0].result == {"id": "a"} and res.results[0].seq == 4  # the first answer kept
+        assert res.results[1].result == 3 and res.results[1].served_by == "w2"
+        assert isinstance(res.results[2], BadRequest) and list(res.errors) == [2]
+    assert len(rounds) == 4 and rounds[0] == rounds[1] and rounds[2] == rounds[3] and rounds[0] != rounds[2]
+
+
+def test_not_found_and_over_budget(fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        if s.path.startswith("/v1/models/"):
+            return err("over_budget")
+        return err("not_found", shard=2)
+
+    f = fakes(script)
+    with sync_client(f.urls) as c:
+        with pytest.raises(NotFound) as nf:
+            c.get("nope")
+        assert nf.value.context == {"shard": 2}
+        with pytest.raises(OverBudget):
+            c.infer("m", [[0.0, 1.0]])
+    assert len(f.seen) == 2
+    assert f.seen[1].path == "/v1/models/m/infer" and f.seen[1].body == {"input": [[0.0, 1.0]]}
+
+
+def test_gateway_answer_shapes(fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        if s.path == "/search":
+            return 200, {"results": [{"id": "e1", "score": 0.9}], "degraded": True, "unavailable_shards": [2]}, {}
+        if s.path.startswith("/v1/models/"):
+            return 200, {"output": [[1.0]], "route": [{"group": 0}], "tried": []}, {"x-served-by": "w1,w2"}
+        if s.method == "DELETE":
+            return ok({"id": "x", "deleted": True, "seq": 3}, seq=3)
+        return ok({"id": "x", "vector": [0.5]})
+
+    f = fakes(script)
+    with sync_client(f.urls) as c:
+        found = c.search([0.5, 0.5], k=3)
+        assert found.hits[0].id == "e1" and found.degraded and found.unavailable_shards == [2]
+        assert c.infer("m", [[1.0]]).served_by == ["w1", "w2"]
+        assert c.delete_embedding("x").deleted is True
+        assert c.get_embedding("x").vector == [0.5]
+        c.get("a b/c")
+    assert f.seen[0].body == {"vector": [0.5, 0.5], "k": 3}
+    assert f.seen[-1].path == "/items/a%20b/c"
