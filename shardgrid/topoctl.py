@@ -2,18 +2,30 @@
 
     topoctl apply FILE [--dry-run]   validate, print the plan, apply it (compare-and-set);
                                      --dry-run also prints the live cluster's drift from FILE
-    topoctl status [--json]          meta nodes and who leads, groups, workers, drift from the file
+    topoctl status [--wait-for green|yellow]
+                                     the verdict (green, yellow, red) and why, then meta nodes,
+                                     groups, per-replica lag, workers, drift from the file
     topoctl get                      the applied topology YAML
     topoctl transfer SHARD [--to W]  move a group's leadership (graceful, fenced)
     topoctl replicas SHARD --add W | --remove W
                                      staged replica change, with progress until done
     topoctl operators                placement changes in progress
+    topoctl completion bash          a bash completion script (source it, or put it in
+                                     /etc/bash_completion.d/topoctl)
+
+Global options (--meta, --timeout, --admin-token-file, --tls-ca, -o/--output,
+--json) go before or after the verb. `-o table|json|yaml` picks the output
+of every verb; in json and yaml stdout carries one document and progress
+lines go to stderr. `--json` is `-o json`.
 
 Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
 With --tls-ca or SHARDGRID_TLS_CA, host:port addresses are dialled over https
 and meta must present a certificate that CA signed for the address; an address
 given as http:// is then refused (exit 1), so the admin token never goes in clear.
-Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 3 no meta node answered.
+Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 2 usage (argparse),
+3 no meta node answered, 4 applied or draining but not converged when the wait
+ended; `topoctl status`: 0 green, 5 yellow, 6 red (with --wait-for: 0 once
+reached, else the last verdict's code, or 3 if meta never answered).
 """
 from __future__ import annotations
 
@@ -21,13 +33,17 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.common.auth import SecretFileError, read_secret
+from shardgrid.common.identity import code_digest, package_version
+from shardgrid.health import Health, Verdict, assess, progress_key, render_health
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.common.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.common.units import format_bytes
@@ -39,7 +55,17 @@ DEFAULT_META = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
 EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
 EXIT_NOT_CONVERGED = 4  # applied, but the cluster had not converged when the wait ended
+# `topoctl status` by verdict. Not 1-4: those already say rejected, usage
+# (argparse), meta unreachable and not converged, and a script must tell
+# "the cluster is red" from "topoctl could not ask".
+EXIT_YELLOW = 5
+EXIT_RED = 6
+VERDICT_EXIT = {Verdict.GREEN: 0, Verdict.YELLOW: EXIT_YELLOW, Verdict.RED: EXIT_RED}
 POLL_S = 0.5
+META_DEADLINE_S = 10.0  # --timeout's default for one call to meta
+WAIT_FOR_DEFAULT_S = 300.0  # --timeout's default for `status --wait-for`
+WAIT_FOR_POLL_S = 1.0
+OUTPUTS = ("table", "json", "yaml")
 
 
 def _out(line: str = "") -> None:
@@ -50,6 +76,37 @@ def _out(line: str = "") -> None:
 def _err(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def _format(args: argparse.Namespace) -> str:
+    return str(getattr(args, "output", None) or "table")
+
+
+def _progress(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where lines that are not the result go: stdout for a person, stderr when
+    stdout must hold one parseable document."""
+    return _out if _format(args) == "table" else _err
+
+
+def plain(doc: Any) -> Any:
+    """`doc` as JSON sees it (string keys, lists for tuples, enum values): json and yaml print the same data."""
+    return orjson.loads(orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS))
+
+
+def dump(doc: Any, fmt: str) -> str:
+    if fmt == "yaml":
+        return yaml.safe_dump(plain(doc), sort_keys=False, allow_unicode=True).rstrip("\n")
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _emit(args: argparse.Namespace, doc: Any, table: Callable[[], Sequence[str]]) -> None:
+    """The verb's result: `table()` lines for a person, `doc` for json and yaml."""
+    fmt = _format(args)
+    if fmt == "table":
+        for line in table():
+            _out(line)
+    else:
+        _out(dump(doc, fmt))
 
 
 class _Client(MetaClient):
@@ -66,16 +123,31 @@ class _Client(MetaClient):
         return self
 
 
-def _client(args: argparse.Namespace) -> _Client:
+def _meta_deadline(args: argparse.Namespace) -> float:
+    timeout = getattr(args, "timeout", None)
+    return META_DEADLINE_S if timeout is None else float(timeout)
+
+
+def _client(args: argparse.Namespace, deadline_s: float | None = None) -> _Client:
     addrs = [a.strip() for a in args.meta.split(",") if a.strip()]
     token = read_secret(args.admin_token_file, "SHARDGRID_ADMIN_TOKEN")
     tls = client_context(Path(args.tls_ca)) if args.tls_ca else None
-    return _Client(addrs, admin_token=token, deadline_s=args.timeout, tls=tls)
+    return _Client(addrs, admin_token=token, deadline_s=_meta_deadline(args) if deadline_s is None else deadline_s,
+                   tls=tls)
 
 
 # -- apply ---------------------------------------------------------------------
 
 async def cmd_apply(args: argparse.Namespace) -> int:
+    doc: dict[str, Any] = {}
+    code = await _apply(args, _progress(args), doc)
+    if _format(args) != "table" and doc:
+        _out(dump(doc, _format(args)))
+    return code
+
+
+async def _apply(args: argparse.Namespace, say: Callable[[str], None], doc: dict[str, Any]) -> int:
+    """apply, saying what it does; `doc` collects the result for -o json|yaml."""
     path = Path(args.file)
     try:
         raw = path.read_bytes()
@@ -92,24 +164,26 @@ async def cmd_apply(args: argparse.Namespace) -> int:
     text = raw.decode("utf-8")
     async with _client(args) as client:
         preview = await client.put_topology(text, dry_run=True)
-        _out(f"plan against topology revision {preview['topology_revision']}:")
+        doc.update(plan=preview, applied=None)
+        say(f"plan against topology revision {preview['topology_revision']}:")
         for line in preview["plan_text"].splitlines():
-            _out(f"  {line}")
+            say(f"  {line}")
         if args.dry_run:
             for line in render_apply_drift(topo.to_dict(), await leader_view(client)):
-                _out(line)
+                say(line)
         if not preview["changed"]:
             # Moves in the plan of an unchanged file: meta already steers there
             # (after an earlier apply), waiting for a worker or a step.
-            _out("topology unchanged: nothing to apply" + (
+            say("topology unchanged: nothing to apply" + (
                 " (the controller already steers toward it; topoctl status shows the drift)"
                 if preview.get("plan") else ""))
             return 0
         if args.dry_run:
-            _out("dry run: nothing applied")
+            say("dry run: nothing applied")
             return 0
         result = await client.put_topology(text, expect_revision=preview["topology_revision"])
-        _out(f"applied: topology revision {result['topology_revision']} (cluster revision {result.get('revision')})")
+        doc["applied"] = result
+        say(f"applied: topology revision {result['topology_revision']} (cluster revision {result.get('revision')})")
         moves = [a for a in preview.get("plan", []) if a.get("kind") in ("add_replica", "remove_replica",
                                                                           "move_leader")]
         if args.no_wait:
@@ -118,8 +192,10 @@ async def cmd_apply(args: argparse.Namespace) -> int:
             # New groups (or settings): nothing live moves. A new group gets
             # its leader when its workers start.
             return 0
-        _out(f"following {len(moves)} move(s) until the cluster converges (--no-wait to return now):")
-        return await follow_convergence(client, args.wait)
+        say(f"following {len(moves)} move(s) until the cluster converges (--no-wait to return now):")
+        code = await follow_convergence(client, args.wait, say=say)
+        doc["converged"] = code == 0
+        return code
 
 
 def pending(view: dict[str, Any]) -> dict[str, str]:
@@ -153,8 +229,8 @@ def operator_text(op: dict[str, Any]) -> str:
     return f"{op['kind']} {op['worker']}: {op['step']}" + (f": {op['message']}" if op["message"] else "")
 
 
-async def follow_convergence(client: MetaClient, wait_s: float) -> int:
-    """Print each group's progress until every group has converged (0), or
+async def follow_convergence(client: MetaClient, wait_s: float, say: Callable[[str], None] = _out) -> int:
+    """Say each group's progress until every group has converged (0), or
     the wait ends (EXIT_NOT_CONVERGED; nothing is cancelled)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
@@ -164,13 +240,13 @@ async def follow_convergence(client: MetaClient, wait_s: float) -> int:
         now = pending(view)
         for gid, what in now.items():
             if shown.get(gid) != what:
-                _out(f"  group {gid}: {what}")
+                say(f"  group {gid}: {what}")
         for gid in sorted(set(shown) - set(now), key=int):
             g = view["groups"][gid]
-            _out(f"  group {gid}: converged (voters {','.join(g['voters'])}; leader {g['leader']})")
+            say(f"  group {gid}: converged (voters {','.join(g['voters'])}; leader {g['leader']})")
         shown = now
         if not now:
-            _out("converged")
+            say("converged")
             return 0
         if loop.time() > deadline:
             _err(f"topoctl: applied, but not converged after {wait_s:.0f} s: {len(now)} group(s) still moving "
@@ -218,8 +294,10 @@ async def gather_status(client: MetaClient) -> dict[str, Any]:
     return view
 
 
-def render_status(st: dict[str, Any]) -> str:
-    lines = []
+def render_status(st: dict[str, Any], health: Health | None = None) -> str:
+    """The human view; with `health`, it opens with the verdict and why, and
+    shows every replica's lag after the groups."""
+    lines = [*render_health(health), ""] if health is not None else []
     topo = st.get("topology") or {}
     lines.append(f"cluster {topo.get('cluster', '(no topology applied)')}  revision {st['revision']}  "
                  f"topology revision {st['topology_revision']}  meta leader {st.get('meta_leader') or '-'}")
@@ -244,6 +322,9 @@ def render_status(st: dict[str, Any]) -> str:
                      f"{pref:<10} {','.join(g['voters']):<24} {','.join(g['learners']) or '-':<12} "
                      + (f"{rate_s:<8}  {holds.get(int(gid), '-')}" if holds else rate_s))
     lines.append("")
+    if health is not None and health.replicas:
+        lines.extend(render_replicas(health))
+        lines.append("")
     lines.append(f"{'WORKER':<8} {'ADDR':<22} {'ZONE':<8} {'STATE':<10} {'ADMISSION':<9} {'LIVE':<5} {'GROUPS':>6} "
                  f"{'LEADS':>5} {'WRITES/S':>8}  {'VERSION':<24} CAPACITY")
     for wid, w in sorted(st["workers"].items()):
@@ -287,6 +368,23 @@ def render_status(st: dict[str, Any]) -> str:
         for wid, gid, state, why in problems:
             lines.append(f"{wid:<17} {gid:<6} {state:<10} {why}")
     return "\n".join(lines)
+
+
+def render_replicas(h: Health) -> list[str]:
+    """Every replica's progress: APPLY-LAG is its own commit minus applied (one report, no
+    skew); BEHIND is its group's leader's last seq minus its commit ('?': no current
+    report from that leader). Reports come every lease/5 from each worker, so under
+    write load a replica in step reads a little behind."""
+    out = [f"{'GROUP':<6} {'REPLICA':<10} {'ROLE':<8} {'STATE':<10} {'COMMIT':>10} {'APPLIED':>10} "
+           f"{'APPLY-LAG':>9} {'BEHIND':>8}"]
+
+    def n(v: int | None) -> str:
+        return "?" if v is None else str(v)
+
+    for r in h.replicas:
+        out.append(f"{r.group:<6} {r.worker:<10} {r.role:<8} {r.state:<10} {n(r.commit):>10} {n(r.applied):>10} "
+                   f"{n(r.apply_lag):>9} {n(r.behind):>8}")
+    return out
 
 
 def _software(rec: dict[str, Any]) -> str:
@@ -338,20 +436,76 @@ def replica_problems(st: dict[str, Any]) -> list[tuple[str, str, str, str]] | No
     return out
 
 
+def status_doc(st: dict[str, Any], h: Health) -> dict[str, Any]:
+    """`-o json|yaml`: the gathered status, with the verdict under `health`."""
+    return {**st, "health": h.to_dict()}
+
+
 async def cmd_status(args: argparse.Namespace) -> int:
+    if getattr(args, "wait_for", None):
+        return await wait_for_verdict(args, Verdict(args.wait_for))
     async with _client(args) as client:
         st = await gather_status(client)
-    if args.json:
-        _out(orjson.dumps(st, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
-    else:
-        _out(render_status(st))
-    return 0
+    h = assess(st)
+    _emit(args, status_doc(st, h), lambda: render_status(st, h).splitlines())
+    return VERDICT_EXIT[h.verdict]
+
+
+async def wait_for_verdict(args: argparse.Namespace, wanted: Verdict) -> int:
+    """Poll until the verdict is `wanted` or better (0), saying the verdict and why
+    each time they change; at --timeout, the last verdict's exit code (3 if meta
+    never answered). Errors while asking meta are progress, not the end: meta
+    fails over too, and the caller asked to wait."""
+    say = _progress(args)
+    loop = asyncio.get_running_loop()
+    total = WAIT_FOR_DEFAULT_S if getattr(args, "timeout", None) is None else float(args.timeout)
+    start = loop.time()
+    deadline = start + total
+    shown: object = None
+    last: tuple[dict[str, Any], Health] | None = None
+    while True:
+        remaining = deadline - loop.time()
+        try:
+            # Each round bounded by what is left, so the wait ends on time even with meta down.
+            async with _client(args, deadline_s=max(0.5, min(META_DEADLINE_S, remaining))) as client:
+                st = await gather_status(client)
+            h = assess(st)
+            last = (st, h)
+            if h.verdict.at_least(wanted):
+                _emit(args, status_doc(st, h), lambda: [f"[{loop.time() - start:.0f}s] {line}"
+                                                        for line in render_health(h)])
+                return 0
+            if progress_key(h) != shown:
+                shown = progress_key(h)
+                for line in render_health(h):
+                    say(f"[{loop.time() - start:.0f}s] {line}")
+        except (MetaUnreachable, MetaError) as exc:
+            last = None
+            if shown != "unreachable":
+                shown = "unreachable"
+                say(f"[{loop.time() - start:.0f}s] meta did not answer: {exc}")
+        if loop.time() >= deadline:
+            if last is None:
+                _err(f"topoctl: not {wanted.value} after {total:.0f} s: no meta node answered at {args.meta}")
+                return EXIT_UNREACHABLE
+            st, h = last
+            if _format(args) != "table":
+                _out(dump(status_doc(st, h), _format(args)))
+            _err(f"topoctl: not {wanted.value} after {total:.0f} s; last verdict {h.verdict.value}:")
+            for line in render_health(h)[1:]:
+                _err(line)
+            return VERDICT_EXIT[h.verdict]
+        await asyncio.sleep(max(0.0, min(WAIT_FOR_POLL_S, deadline - loop.time())))
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
     async with _client(args) as client:
-        text, _ = await client.get_topology()
-    sys.stdout.write(text)
+        text, revision = await client.get_topology()
+    if _format(args) == "json":
+        # The file as applied, as data (table and yaml print its text, comments included).
+        _out(dump({"topology_revision": revision, "topology": yaml.safe_load(text)}, "json"))
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -361,22 +515,28 @@ async def cmd_transfer(args: argparse.Namespace) -> int:
     body = {"to": args.to} if args.to else {}
     async with _client(args) as client:
         res = await client.call("POST", f"/v1/groups/{args.shard}/transfer", json=body, admin=True,
-                                deadline_s=max(args.timeout, 15.0), attempt_timeout_s=14.0)
-    if not res.get("changed", True):
-        _out(f"group {args.shard}: {res['leader']} already leads (term {res['term']})")
-    else:
-        _out(f"group {args.shard}: leader {res['old_leader']} (term {res['old_term']}) -> "
-             f"{res['new_leader']} (term {res['new_term']})")
+                                deadline_s=max(_meta_deadline(args), 15.0), attempt_timeout_s=14.0)
+
+    def table() -> list[str]:
+        if not res.get("changed", True):
+            return [f"group {args.shard}: {res['leader']} already leads (term {res['term']})"]
+        return [f"group {args.shard}: leader {res['old_leader']} (term {res['old_term']}) -> "
+                f"{res['new_leader']} (term {res['new_term']})"]
+
+    _emit(args, res, table)
     return 0
 
 
 async def cmd_replicas(args: argparse.Namespace) -> int:
     body = {"add": args.add} if args.add else {"remove": args.remove}
+    say = _progress(args)
     async with _client(args) as client:
         op = await client.call("POST", f"/v1/groups/{args.shard}/replicas", json=body, admin=True)
-        _out(f"group {args.shard}: {op['kind']} {op['worker']} started (step {op['step']})")
+        started = f"group {args.shard}: {op['kind']} {op['worker']} started (step {op['step']})"
         if args.no_wait:
+            _emit(args, {"operator": op, "done": False}, lambda: [started])
             return 0
+        say(started)
         last = None
         deadline = asyncio.get_running_loop().time() + args.wait
         while True:
@@ -385,12 +545,13 @@ async def cmd_replicas(args: argparse.Namespace) -> int:
             if cur is None or (cur["kind"], cur["worker"]) != (op["kind"], op["worker"]):
                 view = await client.cluster()
                 g = view["groups"][str(args.shard)]
-                _out(f"group {args.shard}: done. voters {','.join(g['voters'])}; "
-                     f"learners {','.join(g['learners']) or '-'}")
+                _emit(args, {"operator": op, "done": True, "group": g},
+                      lambda: [f"group {args.shard}: done. voters {','.join(g['voters'])}; "
+                               f"learners {','.join(g['learners']) or '-'}"])
                 return 0
             line = f"  {cur['step']}: {cur['message']}"
             if line != last:
-                _out(line)
+                say(line)
                 last = line
             if asyncio.get_running_loop().time() > deadline:
                 _err(f"topoctl: still in progress after {args.wait:.0f} s (see topoctl operators); not cancelled")
@@ -402,7 +563,7 @@ async def _worker_verb(args: argparse.Namespace, verb: str, after: str) -> int:
     """POST /v1/workers/W/VERB (admin) and say the worker's new state."""
     async with _client(args) as client:
         res = await client.call("POST", f"/v1/workers/{args.worker}/{verb}", json={}, admin=True)
-    _out(f"{res['worker']}: {res['state']}{after}")
+    _emit(args, res, lambda: [f"{res['worker']}: {res['state']}{after}"])
     return 0
 
 
@@ -415,17 +576,21 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     tail = {"revoke": ": meta and its peers refuse it; its leaderships fail over and its replicas are replaced "
                       "(topoctl status, topoctl operators)",
             "admit": ": it may register again and be placed (it keeps nothing it hosted before)"}[args.action]
-    _out(f"{res['worker']}: {res['admission']}{'' if res.get('changed', True) else ' already'}{tail}")
+    _emit(args, res, lambda: [f"{res['worker']}: {res['admission']}{'' if res.get('changed', True) else ' already'}"
+                              f"{tail}"])
     return 0
 
 
 async def cmd_drain(args: argparse.Namespace) -> int:
     """`topoctl drain W`: hand W's leaderships over, replace its replicas, then `drained`."""
+    say = _progress(args)
     async with _client(args) as client:
         res = await client.call("POST", f"/v1/workers/{args.worker}/drain", json={}, admin=True)
-        _out(f"{args.worker}: {res['state']}" + ("" if res.get("changed", True) else " already"))
+        started = f"{args.worker}: {res['state']}" + ("" if res.get("changed", True) else " already")
         if args.no_wait:
+            _emit(args, res, lambda: [started])
             return 0
+        say(started)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + args.wait
         shown = ""
@@ -434,8 +599,9 @@ async def cmd_drain(args: argparse.Namespace) -> int:
             view = await client.cluster()
             w = view["workers"].get(args.worker, {})
             if w.get("state") == "drained":
-                _out(f"{args.worker}: drained (hosts no replica; `topoctl undrain {args.worker}` makes it eligible "
-                     "again)")
+                _emit(args, {**res, "state": "drained"},
+                      lambda: [f"{args.worker}: drained (hosts no replica; `topoctl undrain {args.worker}` makes it "
+                               "eligible again)"])
                 return 0
             if w.get("state") != "draining":
                 _err(f"topoctl: {args.worker} is {w.get('state')} now, not draining (undrained meanwhile?)")
@@ -446,13 +612,13 @@ async def cmd_drain(args: argparse.Namespace) -> int:
             line = (f"  leads groups {','.join(map(str, leads)) or '-'}; hosts groups "
                     f"{','.join(map(str, hosts)) or '-'}")
             if line != shown:
-                _out(line)
+                say(line)
                 shown = line
             # One line per group whenever its operator's step or message changes (snapshot bytes too).
             ops = {str(g): operator_text(op) for g, op in (view.get("operators") or {}).items()}
             for g in sorted(ops, key=int):
                 if ops_shown.get(g) != ops[g]:
-                    _out(f"  group {g}: {ops[g]}")
+                    say(f"  group {g}: {ops[g]}")
             ops_shown = ops
             if loop.time() > deadline:
                 _err(f"topoctl: {args.worker} still draining after {args.wait:.0f} s (it goes on; topoctl operators)")
@@ -467,32 +633,78 @@ async def cmd_undrain(args: argparse.Namespace) -> int:
 async def cmd_operators(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         ops = (await client.call("GET", "/v1/operators"))["operators"]
-    if args.json:
-        _out(orjson.dumps(ops, option=orjson.OPT_INDENT_2).decode())
-        return 0
-    if not ops:
-        _out("no operators in progress")
-        return 0
-    _out(f"{'GROUP':<6} {'KIND':<7} {'WORKER':<8} {'STEP':<12} MESSAGE")
-    for gid, op in sorted(ops.items(), key=lambda kv: int(kv[0])):
-        _out(f"{gid:<6} {op['kind']:<7} {op['worker']:<8} {op['step']:<12} {op['message']}")
+
+    def table() -> list[str]:
+        if not ops:
+            return ["no operators in progress"]
+        return [f"{'GROUP':<6} {'KIND':<7} {'WORKER':<8} {'STEP':<12} MESSAGE"] + [
+            f"{gid:<6} {op['kind']:<7} {op['worker']:<8} {op['step']:<12} {op['message']}"
+            for gid, op in sorted(ops.items(), key=lambda kv: int(kv[0]))]
+
+    _emit(args, ops, table)
+    return 0
+
+
+async def cmd_completion(args: argparse.Namespace) -> int:
+    sys.stdout.write(bash_completion(build_parser()))
     return 0
 
 
 # -- main ----------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="topoctl", description="Operate a shardgrid cluster.")
-    p.add_argument("--meta", default=os.environ.get("SHARDGRID_META", DEFAULT_META),
+class _Version(argparse.Action):
+    """--version: the package version and the code digest (as workers report theirs),
+    computed only when asked (the digest reads every source file)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print topoctl's version (package version and code digest) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        _out(f"topoctl {package_version()} (code {code_digest()[:8]})")
+        parser.exit(0)
+
+
+def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every verb takes, before or after it. On the verbs' side they
+    default to SUPPRESS: argparse copies a subparser's defaults over what was
+    parsed before the verb, so `--meta X status` would otherwise lose X."""
+    def d(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--meta", default=d(os.environ.get("SHARDGRID_META", DEFAULT_META)),
                    help="meta HTTP addresses, comma-separated (env SHARDGRID_META)")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to keep trying the meta nodes before giving up (default 10)")
-    p.add_argument("--admin-token-file", default=None,
+    p.add_argument("--timeout", type=float, default=d(None), metavar="S",
+                   help=f"seconds to keep trying the meta nodes before giving up (default {META_DEADLINE_S:.0f}); "
+                        f"with `status --wait-for`, how long to wait for the verdict (default "
+                        f"{WAIT_FOR_DEFAULT_S:.0f})")
+    p.add_argument("--admin-token-file", default=d(None),
                    help="file holding the admin token (else env SHARDGRID_ADMIN_TOKEN)")
-    p.add_argument("--tls-ca", default=os.environ.get(CA_ENV) or None, metavar="PEM",
+    p.add_argument("--tls-ca", default=d(os.environ.get(CA_ENV) or None), metavar="PEM",
                    help=f"talk to meta over https, verified against this CA (env {CA_ENV})")
-    sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("apply", help="validate a topology file, print the plan, apply it")
+    p.add_argument("-o", "--output", choices=OUTPUTS, default=d("table"),
+                   help="table (default), json or yaml: json and yaml print one document on stdout, "
+                        "progress on stderr")
+    p.add_argument("--json", dest="output", action="store_const", const="json", default=argparse.SUPPRESS,
+                   help="same as -o json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="topoctl", description="Operate a shardgrid cluster.",
+                                epilog="Exit codes: 0 ok (status: green), 1 rejected, 2 usage, 3 no meta node "
+                                       "answered, 4 not converged when the wait ended, 5 status yellow, "
+                                       "6 status red.")
+    _global_options(p, defaults=True)
+    p.add_argument("--version", action=_Version)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, defaults=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    a = verb("apply", "validate a topology file, print the plan, apply it")
     a.add_argument("file")
     a.add_argument("--dry-run", action="store_true",
                    help="print the plan and the live cluster's drift from the file, and stop")
@@ -501,16 +713,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds to follow the moves until converged (default 600); exit {EXIT_NOT_CONVERGED} "
                         "when they have not finished by then")
     a.set_defaults(func=cmd_apply)
-    s = sub.add_parser("status", help="meta nodes, groups and workers")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s = verb("status", "the verdict (green, yellow, red) and why; meta nodes, groups, replicas, workers")
+    s.add_argument("--wait-for", choices=("green", "yellow"), default=None,
+                   help="poll until the verdict is this good or better (exit 0), printing it and why when they "
+                        "change; --timeout bounds the wait (default "
+                        f"{WAIT_FOR_DEFAULT_S:.0f} s), after which the exit code is the last verdict's")
     s.set_defaults(func=cmd_status)
-    g = sub.add_parser("get", help="print the applied topology YAML")
+    g = verb("get", "print the applied topology YAML (-o json: as data)")
     g.set_defaults(func=cmd_get)
-    t = sub.add_parser("transfer", help="move a group's leadership to another voter")
+    t = verb("transfer", "move a group's leadership to another voter")
     t.add_argument("shard", type=int)
     t.add_argument("--to", default=None, help="target worker (default: the best caught-up voter)")
     t.set_defaults(func=cmd_transfer)
-    r = sub.add_parser("replicas", help="add or remove a replica of a group (staged)")
+    r = verb("replicas", "add or remove a replica of a group (staged)")
     r.add_argument("shard", type=int)
     grp = r.add_mutually_exclusive_group(required=True)
     grp.add_argument("--add", metavar="WORKER")
@@ -518,24 +733,86 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-wait", action="store_true", help="start it and return")
     r.add_argument("--wait", type=float, default=300.0, help="seconds to follow progress (default 300)")
     r.set_defaults(func=cmd_replicas)
-    o = sub.add_parser("operators", help="placement changes in progress")
-    o.add_argument("--json", action="store_true")
+    o = verb("operators", "placement changes in progress")
     o.set_defaults(func=cmd_operators)
-    d = sub.add_parser("drain", help="take a worker out of service: leaderships, then replicas, move elsewhere")
+    d = verb("drain", "take a worker out of service: leaderships, then replicas, move elsewhere")
     d.add_argument("worker")
     d.add_argument("--no-wait", action="store_true", help="start it and return")
     d.add_argument("--wait", type=float, default=600.0,
                    help=f"seconds to follow it until drained (default 600; exit {EXIT_NOT_CONVERGED} after)")
     d.set_defaults(func=cmd_drain)
-    u = sub.add_parser("undrain", help="make a drained worker eligible for replicas and leaderships again")
+    u = verb("undrain", "make a drained worker eligible for replicas and leaderships again")
     u.add_argument("worker")
     u.set_defaults(func=cmd_undrain)
-    w = sub.add_parser("worker", help="worker verbs: gone W (it will not come back: replace its replicas now), "
-                                      "revoke W (take its credentials away), admit W (undo a revoke)")
+    w = verb("worker", "worker verbs: gone W (it will not come back: replace its replicas now), "
+                       "revoke W (take its credentials away), admit W (undo a revoke)")
     w.add_argument("action", choices=["gone", "revoke", "admit"])
     w.add_argument("worker")
     w.set_defaults(func=cmd_worker)
+    c = verb("completion", "print a shell completion script: `source <(topoctl completion bash)`")
+    c.add_argument("shell", choices=["bash"])
+    c.set_defaults(func=cmd_completion)
     return p
+
+
+def _verbs(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in p._actions:  # argparse offers no public way to list a parser's subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _options(p: argparse.ArgumentParser) -> tuple[list[str], dict[str, list[str]]]:
+    """A parser's option strings, and the values of those that take a fixed set."""
+    opts: list[str] = []
+    values: dict[str, list[str]] = {}
+    for action in p._actions:
+        opts.extend(o for o in action.option_strings)
+        if action.option_strings and action.choices is not None:
+            for o in action.option_strings:
+                values[o] = [str(c) for c in action.choices]
+    return opts, values
+
+
+def bash_completion(p: argparse.ArgumentParser) -> str:
+    """A bash completion script for `p`, generated from it (so it never lists a verb
+    or option the parser does not take): verbs, each verb's options and global
+    options, the values of choice options and positionals; files otherwise."""
+    verbs = _verbs(p)
+    top_opts, values = _options(p)
+    cases = []
+    for name, vp in verbs.items():
+        opts, vals = _options(vp)
+        values.update(vals)
+        positional = [str(c) for a in vp._actions if not a.option_strings and a.choices for c in a.choices]
+        words = " ".join(dict.fromkeys([*positional, *opts]))
+        cases.append(f"        {name}) words=\"{words}\" ;;")
+    value_cases = [f"        {opt}) COMPREPLY=($(compgen -W \"{' '.join(vals)}\" -- \"$cur\")); return ;;"
+                   for opt, vals in sorted(values.items())]
+    return "\n".join([
+        "# bash completion for topoctl, generated by `topoctl completion bash`",
+        "_topoctl() {",
+        "    local cur prev verb words i",
+        "    cur=\"${COMP_WORDS[COMP_CWORD]}\"",
+        "    prev=\"${COMP_WORDS[COMP_CWORD-1]}\"",
+        "    case \"$prev\" in",
+        *value_cases,
+        "    esac",
+        "    verb=\"\"",
+        "    for ((i = 1; i < COMP_CWORD; i++)); do",
+        "        case \"${COMP_WORDS[i]}\" in",
+        f"            {'|'.join(verbs)}) verb=\"${{COMP_WORDS[i]}}\"; break ;;",
+        "        esac",
+        "    done",
+        "    case \"$verb\" in",
+        f"        \"\") words=\"{' '.join([*verbs, *top_opts])}\" ;;",
+        *cases,
+        "    esac",
+        "    COMPREPLY=($(compgen -W \"$words\" -- \"$cur\"))",
+        "}",
+        "complete -o default -F _topoctl topoctl",
+        "",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,8 @@ def test_shardgrid_dev_tls(tmp_path: Path) -> None:
         # topoctl over https, verified against the dev CA (the token travels, encrypted).
         topoctl = [sys.executable, "-m", "shardgrid.topoctl", "--meta", ",".join(meta_addrs), "--tls-ca", str(ca)]
         st = subprocess.run([*topoctl, "status", "--json"], capture_output=True, text=True, timeout=30, env=env)
-        assert st.returncode == 0, st.stderr
+        # The exit code is the verdict's (0 green, 5 yellow): right after a transfer a report may lag.
+        assert st.returncode in (0, 5), st.stderr
         dry = subprocess.run([*topoctl, "apply", str(topo), "--dry-run"], capture_output=True, text=True, timeout=30,
                              env=env)
         # PUT /v1/topology?dry_run=1 needs the token: it went over https.
