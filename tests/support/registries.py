@@ -66,3 +66,8 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
         names.update(family.name + suffix for suffix in SUFFIXES.get(family.type, ("",)))
         names.update(s.name for s in family.samples)
     return names
+
+
+def histogram_names(registry: CollectorRegistry) -> set[str]:
+    """The histograms' own names, which prose (not a query) names them by."""
+    return {family.name for family in registry.collect() if family.type == "histogram"}
