@@ -555,6 +555,8 @@ class WorkerNode:
     def _forget_group_series(self, gid: int) -> None:
         """Stop exporting a group that left this worker: its last values would
         otherwise stay until a restart and count in every sum by group."""
+        if gid in self.groups:
+            return  # opened here again meanwhile: its shell observes into these series
         # prometheus_client (0.26, pinned) ignores a label set it never exported.
         for metric in (*self._gauges.values(), self._write_latency):
             metric.remove(str(gid))
