@@ -64,8 +64,8 @@ REFRESH_DEADLINE_S = 1.0
 class GatewayMetrics:
     """HTTP metrics (per route and code) plus the gateway's own counters, one registry."""
 
-    def __init__(self) -> None:
-        self.http = HttpMetrics("gateway")
+    def __init__(self, version: str = "") -> None:
+        self.http = HttpMetrics("gateway", version)
         reg = self.http.registry
         self.retries = Counter("shardgrid_gateway_retries", "attempts retried, by reason", ["reason"], registry=reg)
         self.refusals = Counter("shardgrid_gateway_refusals",

@@ -72,7 +72,7 @@ from gateway.router import DEFAULT_DEADLINE_MS, RESPONSE_MARGIN_S, RETRY_AFTER_S
 from gateway.admission import AdmissionState, keep_admitted
 from meta.client import MetaClient, MetaUnreachable
 from shardgrid.common.auth import bearer_token, check_bearer
-from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.identity import SoftwareIdentity, package_version
 from shardgrid.common.peerauth import ClusterKeys, Principal
 from shardgrid.common.peerauth_http import PeerSigner
 from shardgrid.common.ids import id_problem
@@ -398,7 +398,8 @@ class Gateway:
             raise ValueError("the gateway needs at least one meta address")
         self.cfg = cfg
         self.log = log
-        self.metrics = GatewayMetrics()
+        self.version = cfg.identity.version or package_version()
+        self.metrics = GatewayMetrics(self.version)
         self._rt: _Runtime | None = None
         self.gateway_id = cfg.id or cfg.listen
         self.admission = AdmissionState()
@@ -692,13 +693,15 @@ class Gateway:
     async def healthz(self, request: web.Request) -> web.Response:
         table = self._rt.cache.table if self._rt is not None else None
         if table is None or table.shards < 1:
-            return json_response({"ok": False, "revision": table.revision if table is not None else None,
+            return json_response({"ok": False, "version": self.version,
+                                  "revision": table.revision if table is not None else None,
                                   "message": "no routing table from meta yet" if table is None
                                   else "meta has no topology applied yet"}, status=503)
         if self.admission.state == "refused":
-            return json_response({"ok": False, "admission": "refused", "reason": self.admission.reason,
-                                  "message": self.admission.message}, status=503)
-        body: dict[str, Any] = {"ok": True, "revision": table.revision, "shards": table.shards,
+            return json_response({"ok": False, "version": self.version, "admission": "refused",
+                                  "reason": self.admission.reason, "message": self.admission.message}, status=503)
+        body: dict[str, Any] = {"ok": True, "version": self.version, "revision": table.revision,
+                                "shards": table.shards,
                                 "groups_without_ready_leader": table.groups_without_ready_leader()}
         if self.cfg.cluster_keys is not None:
             body["admission"] = self.admission.state

@@ -34,7 +34,7 @@ from meta.repair import (REFUSAL_HOLD_MS, CancelAssignment, SetWorkerState, Star
 from meta.state import GroupRecord, MetaStateMachine, revoked
 from shardgrid.common.auth import bearer_ok, check_bearer
 from shardgrid.common.httpmetrics import HttpMetrics
-from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.identity import SoftwareIdentity, package_version
 from shardgrid.common.peerauth import ClusterKeys, Principal, SessionTable
 from shardgrid.common.peerauth_http import PeerGuard, PeerSigner, peer_of, refusal, require_sender
 from shardgrid.common.tls import connector_ssl, scheme
@@ -94,6 +94,7 @@ class MetaServerConfig:
     cluster_keys: ClusterKeys | None = field(default=None, repr=False)
     node_id: str = "meta"
     client_tls: ssl.SSLContext | None = field(default=None, repr=False)  # calls to workers: https, verified
+    version: str = ""  # this node's software version (empty: the installed package's)
 
 
 @dataclass
@@ -118,7 +119,8 @@ class MetaServer:
         self.log = log
         self.soft: SoftState | None = None
         self.heartbeat_raw: dict[str, dict[str, Any]] = {}
-        self.metrics = HttpMetrics("meta")
+        self.version = config.version or package_version()
+        self.metrics = HttpMetrics("meta", self.version)
         reg = self.metrics.registry
         self.g_leader = Gauge("shardgrid_meta_is_leader", "1 on the meta Raft leader", registry=reg)
         self.g_revision = Gauge("shardgrid_meta_revision", "applied cluster revision", registry=reg)
@@ -242,7 +244,8 @@ class MetaServer:
 
     async def healthz(self, request: web.Request) -> web.Response:
         leader = self.raft.leader()
-        return json_response({"ok": True, "id": self.raft.me.id, "leader": leader.id if leader else None,
+        return json_response({"ok": True, "id": self.raft.me.id, "version": self.version,
+                              "leader": leader.id if leader else None,
                               "is_leader": self.raft.is_leader(), "revision": self.raft.sm.revision})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -748,6 +751,11 @@ class MetaServer:
         boot = body.get("boot")
         if boot is not None and (not isinstance(boot, str) or not 0 < len(boot) <= 64):
             raise ApiError("bad_request", "boot must be a string of 1 to 64 characters")
+        # The software the worker runs now (served back in /v1/cluster's report);
+        # optional: a worker older than this field sends none.
+        version = body.get("version")
+        if version is not None and (not isinstance(version, str) or len(version) > 64):
+            raise ApiError("bad_request", "version must be a string of at most 64 characters")
         self.soft.heard_from(wid, _now_ms(), reports, self._lease_ms(), boot)
         self.heartbeat_raw[wid] = body
         return json_response({"ok": True, "revision": self.raft.sm.revision})

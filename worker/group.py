@@ -369,6 +369,8 @@ class GroupShell:
             else HttpSnapshotSource(gid, cast(Transport, transport), lambda worker: self.hooks.peer_addr(worker)))
         # Told how long each WAL fdatasync took (the worker's histogram).
         self.on_sync: Callable[[float], None] | None = None
+        # Told the seconds of each write call that acknowledged any write (the worker's per-group histogram).
+        self.on_write_latency: Callable[[float], None] | None = None
         self.wal: Wal | None = None
         self.replica: Replica | None = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -959,7 +961,10 @@ class GroupShell:
             return
         acked = sum(1 for o in batch.results if isinstance(o, Outcome) and o.ok)
         if acked:
-            self.latency.observe((time.perf_counter() - batch.started) * 1000, acked)
+            seconds = time.perf_counter() - batch.started
+            self.latency.observe(seconds * 1000, acked)
+            if self.on_write_latency is not None:
+                self.on_write_latency(seconds)
         batch.fut.set_result(None)
 
     def _outcome_of(self, r: m.Reply) -> Outcome:

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.common.gctune import start_gc_policy
 from shardgrid.common.httpmetrics import HttpMetrics
-from shardgrid.common.identity import SoftwareIdentity
+from shardgrid.common.identity import SoftwareIdentity, package_version
 from shardgrid.common.peerauth import ClusterKeys, Principal
 from shardgrid.common.peerauth_http import PeerSigner
 from shardgrid.common.log import setup_logging
@@ -126,12 +126,14 @@ class WorkerNode:
         signer: tuple[Any, ...] = (PeerSigner(cfg.cluster_keys, self.principal),) if cfg.cluster_keys else ()
         self.meta = MetaClient(cfg.meta, deadline_s=5.0, local_addr=cfg.source_addr, tls=cfg.tls.client,
                                middlewares=signer)
-        self.metrics = HttpMetrics("worker")
+        self.version = cfg.identity.version or package_version()
+        self.metrics = HttpMetrics("worker", self.version)
         reg = self.metrics.registry
         self.infer = InferenceService(cfg.id, log, reg, cfg.infer_max_rows, cfg.infer_max_wait_ms)
         self._torch_ready = "worker.plugins.layers_model" in sys.modules
         self._torch_loading = False
         labels = ["group"]
+        # Per group: removed when the group leaves this worker (_forget_group_series).
         self._gauges = {
             name: Gauge(f"shardgrid_group_{name}", doc, labels, registry=reg)
             for name, doc in (("term", "current term"), ("last_seq", "last log seq"), ("commit", "commit seq"),
@@ -140,10 +142,17 @@ class WorkerNode:
                               ("in_flight", "client requests waiting"),
                               ("has_quorum", "0 while this replica leads without a round trip with a majority of its "
                                              "voters within lease_ms (check-quorum), else 1"),
-                              ("leader_silence_ms", "ms since this non-leader last heard from its term's leader "
-                                                    "(0 while leading)"),
-                              ("write_latency_p99_ms", "p99 of recent acknowledged writes (ms)"))
+                              ("leader_silence_seconds", "seconds since this non-leader last heard from its term's "
+                                                         "leader (0 while leading)"))
         }
+        # One observation per acknowledged write call (a write, or a write_batch
+        # of any size): a Histogram takes a lock per observe, so not per record.
+        self._write_latency = Histogram("shardgrid_group_write_latency_seconds", "from a write call's arrival in "
+                                        "its group to its acknowledgement, per call that acknowledged any write "
+                                        "(leader)", labels,
+                                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                                 2.0, 5.0),
+                                        registry=reg)
         # Disk stalls show here first: every write of every group waits on these.
         self._wal_sync = Histogram("shardgrid_wal_sync_seconds", "WAL fdatasync duration, all groups of this worker",
                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
@@ -377,6 +386,7 @@ class WorkerNode:
                                          lease_ms=int(s["lease_ms"])),
                            self.transport, self, self.log, self.pass_stats)
         shell.on_sync = self._wal_sync.observe
+        shell.on_write_latency = self._write_latency.labels(str(gid)).observe
         try:
             shell.open()
         except GroupCorrupt as exc:
@@ -408,6 +418,7 @@ class WorkerNode:
             shell.root.rename(gone)
         finally:
             self._closing.discard(gid)
+            self._forget_group_series(gid)
         self.log.info("group_removed", group=gid, kept_at=str(gone))
 
     def _drop_stale(self, gid: int) -> None:
@@ -512,6 +523,7 @@ class WorkerNode:
         if fresh is None:
             # Found corrupt (recorded in self.corrupt): an operator's, or repair's, now.
             self.groups.pop(gid, None)
+            self._forget_group_series(gid)
             return
         if fresh.failed is not None:
             backoff.wait_longer(time.monotonic())
@@ -538,8 +550,16 @@ class WorkerNode:
                 self._gauges[key].labels(g).set(rep[key])
             self._gauges["is_leader"].labels(g).set(1 if rep["ready"] else 0)
             self._gauges["has_quorum"].labels(g).set(1 if rep["quorum"] else 0)
-            self._gauges["leader_silence_ms"].labels(g).set(rep["leader_silence_ms"] or 0)
-            self._gauges["write_latency_p99_ms"].labels(g).set(rep["latency_p99_ms"])
+            self._gauges["leader_silence_seconds"].labels(g).set((rep["leader_silence_ms"] or 0) / 1000)
+
+    def _forget_group_series(self, gid: int) -> None:
+        """Stop exporting a group that left this worker: its last values would
+        otherwise stay until a restart and count in every sum by group."""
+        if gid in self.groups:
+            return  # opened here again meanwhile: its shell observes into these series
+        # prometheus_client (0.26, pinned) ignores a label set it never exported.
+        for metric in (*self._gauges.values(), self._write_latency):
+            metric.remove(str(gid))
 
     def group_reports(self) -> dict[str, dict[str, Any]]:
         reports = {str(gid): {**shell.report(), "disk_bytes": self.group_bytes.get(gid, 0)}
@@ -563,7 +583,8 @@ class WorkerNode:
 
     async def _beat(self) -> None:
         try:
-            await self.meta.heartbeat(self.id, {"groups": self.group_reports(), "boot": self.boot},
+            await self.meta.heartbeat(self.id, {"groups": self.group_reports(), "boot": self.boot,
+                                                "version": self.version},
                                       deadline_s=self._lease_ms() / 2000)
         except (MetaError, MetaUnreachable) as exc:
             self.log.debug("heartbeat_failed", error=str(exc))

@@ -282,8 +282,8 @@ class WorkerApi:
         return await self.node.metrics.handle_metrics(request)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return json_response({"ok": True, "id": self.node.id, "groups": sorted(self.node.groups),
-                              "registered": self.node.registered})
+        return json_response({"ok": True, "id": self.node.id, "version": self.node.version,
+                              "groups": sorted(self.node.groups), "registered": self.node.registered})
 
     async def status(self, request: web.Request) -> web.Response:
         return json_response({"id": self.node.id, "groups": self.node.group_reports(),

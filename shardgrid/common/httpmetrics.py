@@ -1,11 +1,20 @@
-"""Prometheus metrics for an aiohttp app, on a registry of its own (no globals)."""
+"""Prometheus metrics for an aiohttp app, on a registry of its own (no globals).
+
+Every process's registry also carries what dashboards built for any
+Prometheus exporter expect: `shardgrid_build_info`, and prometheus_client's
+process, platform and GC collectors (which the default registry would have
+had; these registries are per process object, so they are added here).
+"""
 from __future__ import annotations
 
 import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, GCCollector, PlatformCollector, ProcessCollector,
+                               CollectorRegistry, Counter, Gauge, Histogram, generate_latest)
+
+from shardgrid.common.identity import package_version
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -15,9 +24,21 @@ def route_of(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+def add_process_collectors(registry: CollectorRegistry, role: str, version: str) -> None:
+    """`shardgrid_build_info{version, role}` (always 1) and the process_*, python_info and python_gc_* series."""
+    info = Gauge("shardgrid_build_info", "the software this process runs (always 1)", ["version", "role"],
+                 registry=registry)
+    info.labels(version, role).set(1)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
 class HttpMetrics:
-    def __init__(self, process: str) -> None:
+    def __init__(self, process: str, version: str = "") -> None:
+        """`version`: what `shardgrid_build_info` says (empty: the installed package's)."""
         self.registry = CollectorRegistry()
+        add_process_collectors(self.registry, process, version or package_version())
         self.requests = Counter("shardgrid_http_requests", "HTTP requests served",
                                 ["process", "route", "code"], registry=self.registry)
         self.latency = Histogram("shardgrid_http_request_seconds", "HTTP request latency",

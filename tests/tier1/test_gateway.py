@@ -757,7 +757,10 @@ async def test_single_entity_answers_and_worker_errors(aiohttp_server: Any, aioh
     sig = await client.get("/signals/u")
     assert await sig.json() == {"entity": "u", "counters": {"n": 1.5}, "last": {"last": -1}}
     health = await (await client.get("/healthz")).json()
-    assert health == {"ok": True, "revision": 1, "shards": 2, "groups_without_ready_leader": []}
+    assert health == {"ok": True, "version": gw.version, "revision": 1, "shards": 2,
+                      "groups_without_ready_leader": []}
+    assert gw.version and f'shardgrid_build_info{{role="gateway",version="{gw.version}"}} 1.0' in \
+        await (await client.get("/metrics")).text()
 
 
 async def test_keeps_working_when_the_first_meta_address_is_down(aiohttp_server: Any, aiohttp_client: Any) -> None:

@@ -79,10 +79,13 @@ async def test_writes_submitted_together_share_an_entry_and_get_their_own_result
 async def test_acknowledged_writes_are_counted_once_per_batch_in_the_latency_stats(shell: GroupShell) -> None:
     # What meta's heartbeat and /v1/status report as the group's writes and latency.
     before = (shell.latency.writes, len(shell.latency.samples))
+    observed: list[float] = []  # the worker's histogram: one observation per call, in seconds
+    shell.on_write_latency = observed.append
     out = await shell.write_many([(put(1), "a1"), ({"kind": "nope"}, "a2"), (put(2), "a3")], "quorum", 5.0)
     assert not isinstance(out[0], BadOp) and isinstance(out[1], BadOp)
     assert (shell.latency.writes, len(shell.latency.samples)) == (before[0] + 2, before[1] + 1)
     assert shell.latency.samples[-1] > 0
+    assert observed == [pytest.approx(shell.latency.samples[-1] / 1000)]
 
 
 async def test_every_pass_that_persists_entries_is_timed_and_the_p99_covers_the_last_100(shell: GroupShell) -> None:

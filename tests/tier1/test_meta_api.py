@@ -149,6 +149,13 @@ async def test_register_and_heartbeat_validation(api: TestClient) -> None:
     assert hb.status == 200
     view = await (await api.get("/v1/cluster")).json()
     assert view["workers"]["w7"]["live"] is True
+    # The version a worker runs, in its heartbeat since issue 29 (none from an older worker, as above).
+    for bad in (7, "x" * 65):
+        hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {}, "boot": "b1", "version": bad})
+        assert hb.status == 400 and "version" in (await hb.json())["error"]["message"]
+    hb = await api.post("/v1/workers/w7/heartbeat", json={"groups": {}, "boot": "b1", "version": "0.2.0"})
+    assert hb.status == 200
+    assert (await (await api.get("/v1/cluster")).json())["workers"]["w7"]["report"]["version"] == "0.2.0"
     # Mode B: a worker the topology does not declare advertises what it offers.
     for bad in ({"available_ram": -1}, {"available_ram": "8GB"}, {"available_disk": 2**63}, {"available_disk": True}):
         r = await api.post("/v1/workers/register", json={"id": "w8", "addr": "127.0.0.1:10", **bad})
@@ -165,8 +172,11 @@ async def test_unknown_route_and_health_and_metrics(api: TestClient) -> None:
     assert missing.status == 404 and (await missing.json())["error"]["code"] == "not_found"
     health = await (await api.get("/healthz")).json()
     assert health["is_leader"] is True and health["leader"] == "m1"
+    assert health["version"] == api.server.app[SERVER_KEY].version != ""
     metrics = await (await api.get("/metrics")).text()
     assert "shardgrid_meta_is_leader 1.0" in metrics and "shardgrid_http_requests_total" in metrics
+    assert f'shardgrid_build_info{{role="meta",version="{health["version"]}"}} 1.0' in metrics
+    assert "process_cpu_seconds_total" in metrics and "python_gc_collections_total" in metrics
 
 
 # -- transfer and the preferred leader ---------------------------------------------------------

@@ -122,10 +122,75 @@ async def test_check_quorum_gauges(tmp_path: Path) -> None:
         text = generate_latest(node.metrics.registry).decode()
         assert 'shardgrid_group_has_quorum{group="0"} 0.0' in text
         assert 'shardgrid_group_has_quorum{group="1"} 1.0' in text
-        assert 'shardgrid_group_leader_silence_ms{group="1"} 2750.0' in text
-        assert 'shardgrid_group_leader_silence_ms{group="0"} 0.0' in text
+        assert 'shardgrid_group_leader_silence_seconds{group="1"} 2.75' in text
+        assert 'shardgrid_group_leader_silence_seconds{group="0"} 0.0' in text
     finally:
         await node.meta.close()
+        await node.transport.close()
+
+
+class _ClosingShell:
+    """What `_drop_group` needs of a group shell, and its report for the gauges."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True)
+        self.closed = False
+
+    def report(self) -> dict[str, Any]:
+        return {"term": 2, "last_seq": 5, "commit": 5, "applied": 5, "lag": 0, "in_flight": 0, "ready": True,
+                "quorum": True, "leader_silence_ms": None}
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_group_s_series_go_when_the_group_leaves_the_worker(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+    try:
+        node.groups = {0: _ClosingShell(tmp_path / "groups" / "0"),  # type: ignore[dict-item]
+                       1: _ClosingShell(tmp_path / "groups" / "1")}
+        node._write_latency.labels("0").observe(0.004)
+        node._write_latency.labels("1").observe(0.003)
+        node.update_gauges()
+        text = generate_latest(node.metrics.registry).decode()
+        assert 'shardgrid_group_term{group="0"} 2.0' in text and 'shardgrid_group_term{group="1"} 2.0' in text
+        assert 'shardgrid_group_write_latency_seconds_count{group="0"} 1.0' in text
+        await node._drop_group(0)
+        node.update_gauges()
+        text = generate_latest(node.metrics.registry).decode()
+        assert '{group="0"' not in text, [line for line in text.splitlines() if '{group="0"' in line]
+        assert 'shardgrid_group_term{group="1"} 2.0' in text
+        assert 'shardgrid_group_write_latency_seconds_count{group="1"} 1.0' in text
+    finally:
+        await node.meta.close()
+        await node.transport.close()
+
+
+async def test_heartbeats_and_healthz_carry_the_version(tmp_path: Path, aiohttp_client: Any) -> None:
+    from shardgrid.common.identity import SoftwareIdentity
+    from worker.server import WorkerApi
+
+    node = WorkerNode(WorkerConfig("w1", "127.0.0.1:1", "127.0.0.1:1", ["127.0.0.1:2"], tmp_path,
+                                   identity=SoftwareIdentity("1.2.3", "abc")), structlog.get_logger())
+    await node.meta.close()
+    sent: list[dict[str, Any]] = []
+
+    class _Meta(_FakeMeta):
+        async def heartbeat(self, wid: str, report: dict[str, Any], deadline_s: float = 1.0) -> dict[str, Any]:
+            sent.append(report)
+            return {"ok": True}
+
+    node.meta = _Meta()  # type: ignore[assignment]
+    try:
+        await node._beat()
+        assert sent[0]["version"] == "1.2.3" and sent[0]["boot"] == node.boot
+        client = await aiohttp_client(WorkerApi(node).app())
+        body = await (await client.get("/healthz")).json()
+        assert body["version"] == "1.2.3" and body["id"] == "w1"
+        text = await (await client.get("/metrics")).text()
+        assert 'shardgrid_build_info{role="worker",version="1.2.3"} 1.0' in text
+    finally:
         await node.transport.close()
 
 
