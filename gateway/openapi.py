@@ -272,6 +272,7 @@ def _schemas() -> dict[str, Any]:
         }, ("results",)),
         "Health": _obj({
             "ok": _t("boolean"),
+            "version": _t("string", "the gateway's software version (also in shardgrid_build_info)"),
             "revision": _t(["integer", "null"], "meta revision of the routing table"),
             "shards": _t("integer"),
             "groups_without_ready_leader": _t("array", items={"type": "integer"}),
@@ -279,7 +280,7 @@ def _schemas() -> dict[str, Any]:
                                                                                      "refused"]),
             "reason": _t("string", "why meta refused this gateway"),
             "message": _t("string", "why it is not ok"),
-        }, ("ok",), "more fields may be added"),
+        }, ("ok", "version"), "more fields may be added"),
         "ModelReplica": _obj({
             "worker": _t("string"), "live": _t(["boolean", "null"]), "warm": _t(["boolean", "null"]),
             "version": _t(["integer", "null"], "weights version"), "queued": _t(["integer", "null"]),

@@ -257,7 +257,7 @@ class MetaServer:
 
     async def status(self, request: web.Request) -> web.Response:
         # Admission refusals are this node's own: a refused process may have asked any meta node.
-        return json_response({**self.raft.status(), "refusals": list(self.refusals)})
+        return json_response({**self.raft.status(), "version": self.version, "refusals": list(self.refusals)})
 
     def cluster_view(self) -> dict[str, Any]:
         view = self.raft.sm.view()

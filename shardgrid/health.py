@@ -281,10 +281,21 @@ def software_warnings(st: Mapping[str, Any]) -> list[str]:
     for gw in st.get("gateways") or ():
         if gw.get("version") or gw.get("code_digest"):
             builds.setdefault(_software(gw), []).append(str(gw.get("id")))
-    if len(builds) < 2:
-        return []
-    parts = "; ".join(f"{b} on {','.join(who)}" for b, who in sorted(builds.items(), key=lambda kv: -len(kv[1])))
-    return [f"mixed software: {parts} (expected during a rolling upgrade; finish it)"]
+    out = []
+    if len(builds) > 1:
+        parts = "; ".join(f"{b} on {','.join(who)}" for b, who in sorted(builds.items(), key=lambda kv: -len(kv[1])))
+        out.append(f"mixed software: {parts} (expected during a rolling upgrade; finish it)")
+    # Meta nodes report a version but no code digest: they are compared by version alone.
+    served = {w.get("version") for w in (st.get("workers") or {}).values() if w.get("version")}
+    served |= {gw.get("version") for gw in st.get("gateways") or () if gw.get("version")}
+    metas: dict[str, list[str]] = {}
+    for node in st.get("meta_nodes") or ():
+        if node.get("up") and node.get("version"):
+            metas.setdefault(str(node["version"]), []).append(str(node.get("id")))
+    if len(metas) > 1 or (metas and served and set(metas) != served):
+        parts = "; ".join(f"{v} on {','.join(who)}" for v, who in sorted(metas.items()))
+        out.append(f"mixed meta versions: {parts}; workers and gateways run {', '.join(sorted(served)) or '?'}")
+    return out
 
 
 def _idle_down_warnings(st: Mapping[str, Any]) -> list[str]:

@@ -280,7 +280,8 @@ async def gather_status(client: MetaClient) -> dict[str, Any]:
         try:
             st = await client.status(node["http"])
             return {"id": node["id"], "http": node["http"], "up": True, "role": st["role"], "leader": st["leader"],
-                    "revision": st["revision"], "raft_term": st["raft_term"], "refusals": st.get("refusals", [])}
+                    "revision": st["revision"], "raft_term": st["raft_term"], "refusals": st.get("refusals", []),
+                    "version": st.get("version")}
         except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
         except Exception as exc:  # noqa: BLE001 - aiohttp raises a family of errors; any means "down"

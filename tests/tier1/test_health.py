@@ -275,3 +275,20 @@ def test_to_dict_is_plain_data() -> None:
     d = assess(st).to_dict()
     assert d["verdict"] == "yellow" and d["reasons"][0]["verdict"] == "yellow"
     assert d["reasons"][0]["kind"] == "under-replicated" and d["replicas"][0]["worker"] == "w1"
+
+
+def test_a_meta_node_on_another_version_is_a_warning() -> None:
+    st = healthy()
+    for node in st["meta_nodes"]:
+        node["version"] = "0.1.0"
+    assert software_warnings(st) == []  # meta reports no digest: the same version is the same software
+    st["meta_nodes"][2]["version"] = "0.2.0"
+    assert software_warnings(st) == ["mixed meta versions: 0.1.0 on m1,m2; 0.2.0 on m3; "
+                                     "workers and gateways run 0.1.0"]
+    # Every meta node upgraded, the workers not yet: still mixed.
+    for node in st["meta_nodes"]:
+        node["version"] = "0.2.0"
+    assert software_warnings(st) == ["mixed meta versions: 0.2.0 on m1,m2,m3; workers and gateways run 0.1.0"]
+    # A node that is down reports nothing to compare.
+    st["meta_nodes"][0].update(up=False, version="0.1.0")
+    assert all("m1" not in w for w in software_warnings(st))

@@ -173,6 +173,8 @@ async def test_unknown_route_and_health_and_metrics(api: TestClient) -> None:
     health = await (await api.get("/healthz")).json()
     assert health["is_leader"] is True and health["leader"] == "m1"
     assert health["version"] == api.server.app[SERVER_KEY].version != ""
+    # topoctl status compares the meta nodes' versions (shardgrid/health.py): each says its own.
+    assert (await (await api.get("/v1/status")).json())["version"] == health["version"]
     metrics = await (await api.get("/metrics")).text()
     assert "shardgrid_meta_is_leader 1.0" in metrics and "shardgrid_http_requests_total" in metrics
     assert f'shardgrid_build_info{{role="meta",version="{health["version"]}"}} 1.0' in metrics
