@@ -266,8 +266,10 @@ def _schemas() -> dict[str, Any]:
                                       "answered from the dedup table"},
         }, ("shard", "seq", "term", "served_by", "result")),
         "BatchResult": _obj({
-            "results": _t("array", "one per write, in request order: a result, or an error body with `shard` "
-                          "(retry only those, with the same `x-request-id`)",
+            "results": _t("array", "one per write, in request order: a result, or an error body with `shard`. "
+                          "To retry the failed ones, resend the whole batch, unchanged, with the same "
+                          "`x-request-id`: never a write alone with that id (its dedup id is "
+                          "`<x-request-id>#<i>`), nor a smaller batch",
                           items={"oneOf": [_ref("BatchItemResult"), _ref("Error")]}),
         }, ("results",)),
         "Health": _obj({
@@ -584,8 +586,9 @@ def _paths() -> dict[str, Any]:
             "Every write is validated first: one bad write refuses the whole batch (400 naming its index) and "
             "nothing is sent. Then each shard's writes go to its leader; the answer is 200 with one result per "
             "write, each a result or an error body (`unavailable`, `overloaded`, `quorum_timeout`, "
-            "`payload_too_large`, `bad_request`, `internal`). Resend the batch with the same `x-request-id` to "
-            "retry: the writes already applied are answered from the dedup table.",
+            "`payload_too_large`, `bad_request`, `internal`). Resend the whole batch, unchanged, with the same "
+            "`x-request-id` to retry: the writes already applied are answered from the dedup table. Never resend "
+            "one of its writes alone with that id: it would be a new write, applied again.",
             (_Ok(200, "one result per write, in order", _ref("BatchResult"), headers=entity),),
             ("bad_request", "payload_too_large", "request_timeout", "unavailable", "internal"), _DATA,
             _json_body("BatchRequest"), entity)},

@@ -12,7 +12,8 @@ from shardgrid.client.aio import AsyncClient
 from shardgrid.client.errors import (BadRequest, ClientError, Conflict, DeadlineExceeded, Forbidden,
                                      GatewayUnreachable, InternalError, MethodNotAllowed, NotFound,
                                      NotImplementedByServer, NotLeader, OverBudget, Overloaded, PayloadTooLarge,
-                                     QuorumTimeout, RequestTimeout, ShardgridError, Unauthorized, Unavailable)
+                                     ProxyError, QuorumTimeout, RequestTimeout, ShardgridError, Unauthorized,
+                                     Unavailable)
 from shardgrid.client.policy import RetryPolicy
 from shardgrid.client.results import (BatchEntry, BatchResult, Deleted, Embedding, Hit, InferResult, Item,
                                       SearchResult, Served, SignalWritten, Signals, Written)
@@ -21,6 +22,6 @@ from shardgrid.client.sync import Client
 __all__ = ["AsyncClient", "BadRequest", "BatchEntry", "BatchResult", "Client", "ClientError", "Conflict",
            "DeadlineExceeded", "Deleted", "Embedding", "Forbidden", "GatewayUnreachable", "Hit", "InferResult",
            "InternalError", "Item", "MethodNotAllowed", "NotFound", "NotImplementedByServer", "NotLeader",
-           "OverBudget", "Overloaded", "PayloadTooLarge", "QuorumTimeout", "RequestTimeout", "RetryPolicy",
-           "SearchResult", "Served", "ShardgridError", "SignalWritten", "Signals", "Unauthorized", "Unavailable",
-           "Written"]
+           "OverBudget", "Overloaded", "PayloadTooLarge", "ProxyError", "QuorumTimeout", "RequestTimeout",
+           "RetryPolicy", "SearchResult", "Served", "ShardgridError", "SignalWritten", "Signals", "Unauthorized",
+           "Unavailable", "Written"]

@@ -3,21 +3,40 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from dataclasses import replace
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import aiohttp
 from yarl import URL
 
-from shardgrid.client.core import Core, Op, Response, batch_retryable, decode, merge_batch
+from shardgrid.client.core import BatchRounds, Core, Op, Response, decode
 from shardgrid.client.errors import ShardgridError
-from shardgrid.client.policy import Outcome, RetryPolicy, Send
+from shardgrid.client.policy import CallPlan, Outcome, RetryPolicy, Send, WriteWindow
 from shardgrid.client.results import (BatchResult, Deleted, Embedding, InferResult, Item, SearchResult,
                                       SignalWritten, Signals, Written)
 
 T = TypeVar("T")
 # Below the gateway's own 75 s keep-alive: a pooled connection is dropped before the server drops it.
 KEEPALIVE_S = 15.0
+
+
+@dataclass
+class _Conn:
+    """Whether the connection an attempt went out on came from the pool (set by aiohttp's trace signals)."""
+
+    reused: bool = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, _Conn):
+        ctx.trace_request_ctx.reused = True
+
+
+async def _on_create(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+    # aiohttp itself retries a GET, PUT or DELETE once on a new connection: the last one is what counts.
+    if isinstance(ctx.trace_request_ctx, _Conn):
+        ctx.trace_request_ctx.reused = False
 
 
 class AsyncClient:
@@ -36,6 +55,7 @@ class AsyncClient:
         self._sleep = sleep
         self._limit = limit
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # new connections only: resends after a stale one
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -45,15 +65,27 @@ class AsyncClient:
     def _http(self) -> aiohttp.ClientSession:
         # Made on first use, inside the running loop the session belongs to.
         if self._session is None or self._session.closed:
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(_on_reuse)
+            trace.on_connection_create_start.append(_on_create)
             connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=KEEPALIVE_S,
                                              ssl=self._ssl if self._ssl is not None else True)
-            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                                  trace_configs=[trace])
         return self._session
 
+    def _fresh_http(self) -> aiohttp.ClientSession:
+        # force_close: every request gets a new connection, never a pooled one that may be stale too.
+        if self._fresh is None or self._fresh.closed:
+            connector = aiohttp.TCPConnector(force_close=True, ssl=self._ssl if self._ssl is not None else True)
+            self._fresh = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        return self._fresh
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -116,22 +148,16 @@ class AsyncClient:
                     request_id: str | None = None, deadline_s: float | None = None) -> BatchResult:
         """As `Client.batch`."""
         op = self._core.batch(writes, ack=ack, request_id=request_id, deadline_s=deadline_s)
-        end = self._now() + op.deadline_s
-        result = await self._run(op)
-        rounds = 1
-        while batch_retryable(result) and rounds < self._core.policy.max_attempts:
-            wait = self._core.backoff(rounds)
-            remaining = end - self._now() - wait
-            if remaining < self._core.policy.min_attempt_s:
-                break
-            await self._sleep(wait)
+        rounds = BatchRounds(self._core.policy, self._now() + op.deadline_s)
+        rounds.took(await self._run(op, rounds.deadline, rounds.window))  # the first round's error is the batch's
+        while (at := rounds.resend_at(self._now(), self._core.backoff(rounds.rounds))) is not None:
+            await self._sleep(at - self._now())
             try:
-                again = await self._run(replace(op, deadline_s=remaining))
-            except ShardgridError:
-                break  # keep what the first rounds got; the failed entries keep their errors
-            result = merge_batch(result, again)
-            rounds += 1
-        return result
+                rounds.took(await self._run(op, rounds.deadline, rounds.window))
+            except ShardgridError as exc:
+                rounds.failed(exc)  # its attempts are spent; what it may have applied is noted
+                break
+        return rounds.final()
 
     async def infer(self, model: str, rows: Sequence[Sequence[float]], *,
                     deadline_s: float | None = None) -> InferResult:
@@ -142,34 +168,38 @@ class AsyncClient:
 
     # -- the loop
 
-    async def _run(self, op: Op[T]) -> T:
+    async def _run(self, op: Op[T], deadline: float | None = None, window: WriteWindow | None = None) -> T:
+        """As `Client._run`: `deadline` the whole call's when it is part of a larger one."""
         core = self._core
+        if deadline is None:
+            deadline = self._now() + op.deadline_s
         if core.needs_shard_count(op):
-            core.learn_shard_count(await self._run(core.healthz(op.deadline_s)))
+            # Charged to the read's own deadline: the caller's budget is for the whole call.
+            core.learn_shard_count(await self._run(core.healthz(op.deadline_s), deadline))
         now = self._now()
-        plan = core.plan(op, now + op.deadline_s)
+        plan = core.plan(op, deadline, window)
         step = plan.start(now)
         last: Response | None = None
         while isinstance(step, Send):
             wait = step.at - self._now()
             if wait > 0:
                 await self._sleep(wait)
-            last, outcome = await self._attempt(step, op)
+            last, outcome = await self._attempt(step, op, plan)
             step = plan.next(outcome, self._now())
         return core.finish(op, plan, step, last)
 
-    async def _attempt(self, step: Send, op: Op[Any]) -> tuple[Response | None, Outcome]:
-        call = op.call
+    async def _attempt(self, step: Send, op: Op[Any], plan: CallPlan) -> tuple[Response | None, Outcome]:
         base = self._core.gateways[step.gateway].base
-        headers = dict(step.headers)
-        if call.body is not None:
-            headers["content-type"] = "application/json"
+        conn = _Conn()
         try:
-            async with self._http().request(call.method, URL(base + call.path, encoded=True), data=call.body,
-                                            headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=step.timeout_s)) as r:
-                raw = await r.read()
-                resp = Response(r.status, {k.lower(): v for k, v in r.headers.items()}, decode(raw))
+            try:
+                resp = await self._exchange(self._http(), step, op, plan, conn)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if not conn.reused or isinstance(exc, aiohttp.ClientConnectorError) or getattr(exc, "answered", False):
+                    raise
+                # A pooled connection closed while idle, before any answer: once more on a
+                # new one, with the same request id; not an attempt, the gateway not marked down.
+                resp = await self._exchange(self._fresh_http(), step, op, plan, _Conn())
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # The connection was never made: nothing was sent.
             return None, Outcome(failure="refused", detail=f"{base}: {exc}")
@@ -178,3 +208,22 @@ class AsyncClient:
         except aiohttp.ClientError as exc:
             return None, Outcome(failure="broken", detail=f"{base}: {type(exc).__name__} {exc}")
         return resp, self._core.outcome(resp)
+
+    async def _exchange(self, session: aiohttp.ClientSession, step: Send, op: Op[Any], plan: CallPlan,
+                        conn: _Conn) -> Response:
+        call = op.call
+        # Just before sending: a late wake-up is not promised to the gateway (connecting
+        # happens inside aiohttp, after this). The timeout bounds the whole exchange, body included.
+        deadline_ms, timeout_s = plan.budget(self._now())
+        headers = {**step.headers, "x-deadline-ms": deadline_ms}
+        if call.body is not None:
+            headers["content-type"] = "application/json"
+        async with session.request(call.method, URL(self._core.gateways[step.gateway].base + call.path, encoded=True),
+                                   data=call.body, headers=headers, trace_request_ctx=conn,
+                                   timeout=aiohttp.ClientTimeout(total=max(0.001, timeout_s))) as r:
+            try:
+                raw = await r.read()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                exc.answered = True  # type: ignore[attr-defined]  # part of an answer came: not a stale connection
+                raise
+            return Response(r.status, {k.lower(): v for k, v in r.headers.items()}, decode(raw))

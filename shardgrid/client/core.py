@@ -3,6 +3,7 @@ read-your-writes bookkeeping. No I/O here either: each client only moves
 bytes (`Response`) and sleeps where the `CallPlan` says."""
 from __future__ import annotations
 
+import copy
 import json
 import random
 import threading
@@ -12,14 +13,18 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
 from shardgrid.client.errors import STATUS_FOR_CODE, ShardgridError, error_code, error_from
-from shardgrid.client.policy import (NOT_APPLIED_RETRYABLE, UNKNOWN_RETRYABLE, Call, CallPlan, GatewayPool, Outcome,
-                                     RetryPolicy, SeqTracker, Stop)
+from shardgrid.client.policy import (MAX_DEADLINE_MS, NOT_APPLIED_RETRYABLE, UNKNOWN_RETRYABLE, Call, CallPlan,
+                                     GatewayPool, Outcome, RetryPolicy, SeqTracker, Stop, WriteWindow)
 from shardgrid.client.results import (BatchEntry, BatchResult, Deleted, Embedding, Hit, InferResult, Item,
                                       SearchResult, SignalWritten, Signals, Written)
 
 T = TypeVar("T")
+# Copies of gateway/limits.py (the client imports nothing above shardgrid.common;
+# tests/tier1/test_client.py holds them equal): x-ack, x-consistency, x-request-id.
 ACKS = ("leader", "quorum", "all")
 CONSISTENCIES = ("strong", "follower")
+MAX_REQUEST_ID = 100
+MAX_DEADLINE_S = MAX_DEADLINE_MS / 1000
 # A /batch entry that failed with one of these is resent (the whole batch, same request id).
 BATCH_RETRYABLE = NOT_APPLIED_RETRYABLE | UNKNOWN_RETRYABLE | {"internal"}
 
@@ -32,7 +37,9 @@ class Gateway:
 
     @property
     def base(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        # An IPv6 literal goes in brackets in a URL (urlsplit took them off); http.client takes it bare.
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
 
     @classmethod
     def parse(cls, url: str) -> "Gateway":
@@ -128,8 +135,7 @@ class Core:
             raise ValueError(f"ack must be one of {', '.join(ACKS)}, got {ack!r}")
         if consistency not in CONSISTENCIES:
             raise ValueError(f"consistency must be one of {', '.join(CONSISTENCIES)}, got {consistency!r}")
-        if not 0 < deadline_s <= 300:
-            raise ValueError(f"deadline_s must be in (0, 300], got {deadline_s!r}")
+        _check_deadline(deadline_s)
         self.gateways = [Gateway.parse(g) for g in gateways]
         self.deadline_s = deadline_s
         self.ack = ack
@@ -143,14 +149,14 @@ class Core:
 
     # -- driving one call
 
-    def plan(self, op: Op[Any], deadline: float) -> CallPlan:
+    def plan(self, op: Op[Any], deadline: float, window: WriteWindow | None = None) -> CallPlan:
         call = op.call
         if self.tracker is not None and op.key is not None:
             with self.lock:
                 min_seq = self.tracker.min_seq(op.key)
             if min_seq > 0:
                 call = replace(call, headers={**call.headers, "x-min-seq": str(min_seq)})
-        return CallPlan(call, self.pool, self.policy, deadline, self.rng)
+        return CallPlan(call, self.pool, self.policy, deadline, self.rng, window)
 
     @staticmethod
     def outcome(r: Response) -> Outcome:
@@ -192,7 +198,10 @@ class Core:
     # -- building calls
 
     def _deadline(self, deadline_s: float | None) -> float:
-        return self.deadline_s if deadline_s is None else deadline_s
+        if deadline_s is None:
+            return self.deadline_s
+        _check_deadline(deadline_s)
+        return deadline_s
 
     def _read(self, method: str, path: str, body: bytes | None, consistency: str | None) -> Call:
         consistency = consistency or self.consistency
@@ -205,9 +214,8 @@ class Core:
         ack = ack or self.ack
         if ack is not None and ack not in ACKS:
             raise ValueError(f"ack must be one of {', '.join(ACKS)}, got {ack!r}")
-        if request_id is not None and (not 1 <= len(request_id) <= 100 or "#" in request_id
-                                       or not all(0x21 <= ord(c) <= 0x7e for c in request_id)):
-            raise ValueError("request_id must be 1 to 100 visible ASCII characters other than '#'")
+        if request_id is not None and not valid_request_id(request_id):
+            raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID} visible ASCII characters other than '#'")
         # One id per logical write, made here once: every attempt of this call reuses it.
         rid = request_id or uuid.uuid4().hex
         return Call(method, path, body, "write", rid, {"x-ack": ack} if ack else {})
@@ -282,17 +290,20 @@ class Core:
 
     def batch(self, writes: Sequence[Mapping[str, Any]], *, ack: str | None, request_id: str | None,
               deadline_s: float | None) -> Op[BatchResult]:
+        call = self._write("POST", "/batch", _json({"writes": [dict(w) for w in writes]}), ack, request_id)
+
         def parse(r: Response, n: int) -> BatchResult:
-            return BatchResult(results=[_batch_entry(i, e, r.headers.get("x-request-id"))
+            # The id the entries were deduped under is the one sent (the gateway echoes it).
+            rid = call.request_id
+            return BatchResult(results=[_batch_entry(i, e, rid)
                                         for i, e in enumerate(_dict(r.body).get("results") or [])],
-                               request_id=r.headers.get("x-request-id"), attempts=n)
+                               request_id=rid, attempts=n)
 
         def seqs(r: Response) -> list[tuple[int | None, int | None]]:
             return [(_int(e.get("shard")), _int(e.get("seq"))) for e in _dict(r.body).get("results") or []
                     if isinstance(e, dict) and "error" not in e]
 
-        return Op(self._write("POST", "/batch", _json({"writes": [dict(w) for w in writes]}), ack, request_id),
-                  parse, self._deadline(deadline_s), seqs=seqs)
+        return Op(call, parse, self._deadline(deadline_s), seqs=seqs)
 
     def infer(self, model: str, rows: Sequence[Sequence[float]], *, deadline_s: float | None) -> Op[InferResult]:
         def parse(r: Response, n: int) -> InferResult:
@@ -314,19 +325,27 @@ class Core:
         return min(p.backoff_cap_s, p.backoff_base_s * 2 ** (round_ - 1)) * jitter
 
 
+def _check_deadline(deadline_s: float) -> None:
+    # The gateway refuses an x-deadline-ms over its cap with a 400: refuse it here, before any attempt.
+    if not 0 < deadline_s <= MAX_DEADLINE_S:
+        raise ValueError(f"deadline_s must be in (0, {MAX_DEADLINE_S:g}], got {deadline_s!r}")
+
+
+def valid_request_id(rid: str) -> bool:
+    """The gateway's rule (gateway/routes.py _RID): 1 to 100 visible ASCII characters, no '#' (batch entries use it)."""
+    return 1 <= len(rid) <= MAX_REQUEST_ID and "#" not in rid and all(0x21 <= ord(c) <= 0x7e for c in rid)
+
+
 def _batch_entry(index: int, e: Any, rid: str | None) -> BatchEntry | ShardgridError:
     if isinstance(e, dict) and "error" in e:
         code = error_code(0, e)
-        return error_from(STATUS_FOR_CODE.get(code, 500), e, request_id=rid,
+        # No `request_id`: the entry is deduped under `<rid>#<i>` (or `#s<shard>`), so resending this
+        # write alone with `rid` would apply it again. The batch's id goes in `batch_request_id`.
+        return error_from(STATUS_FOR_CODE.get(code, 500), e, batch_request_id=rid, batch_index=index,
                           applied=None if code in UNKNOWN_RETRYABLE | {"internal"} else False)
     d = _dict(e)
     return BatchEntry(index=index, shard=_int(d.get("shard")), term=_int(d.get("term")), seq=_int(d.get("seq")),
                       served_by=d.get("served_by"), result=d.get("result"))
-
-
-def batch_retryable(result: BatchResult) -> bool:
-    """Whether some entries failed in a way a resend (same request id) may fix."""
-    return any(err.code in BATCH_RETRYABLE for err in result.errors.values())
 
 
 def merge_batch(prev: BatchResult, new: BatchResult) -> BatchResult:
@@ -338,4 +357,76 @@ def merge_batch(prev: BatchResult, new: BatchResult) -> BatchResult:
     merged = [p if not isinstance(p, ShardgridError) or i >= len(new.results) else new.results[i]
               for i, p in enumerate(prev.results)]
     return BatchResult(results=merged, request_id=prev.request_id, attempts=prev.attempts + new.attempts)
+
+
+@dataclass
+class BatchRounds:
+    """The resend rounds of one batch, without I/O (both clients drive it).
+
+    A batch is resent whole, with its one request id, while some entries
+    failed in a way a resend may fix. Across rounds it keeps:
+    - one deadline and one dedup window (`window`: from the batch's first
+      send, never restarted by a round);
+    - which entries some round left with an unknown outcome (`unknown`): an
+      entry that was perhaps applied in round 1 and then refused in round 2 is
+      still perhaps applied, so its final error says `applied=None`;
+    - how many `internal` errors each entry got: resent once, as a single
+      call's 500.
+    """
+
+    policy: RetryPolicy
+    deadline: float  # monotonic time, the whole batch's
+    window: WriteWindow = field(default_factory=WriteWindow)
+    result: BatchResult | None = None
+    rounds: int = 0
+    unknown: set[int] = field(default_factory=set)
+    internal: dict[int, int] = field(default_factory=dict)
+
+    def took(self, answer: BatchResult) -> None:
+        """A round's answer (the first round's, or a resend's)."""
+        self.result = answer if self.result is None else merge_batch(self.result, answer)
+        self.rounds += 1
+        for i, r in enumerate(answer.results):
+            if isinstance(r, ShardgridError):
+                if r.applied is None:
+                    self.unknown.add(i)
+                if r.code == "internal":
+                    self.internal[i] = self.internal.get(i, 0) + 1
+
+    def failed(self, exc: ShardgridError) -> None:
+        """A resend round raised instead of answering (504s, no gateway...)."""
+        assert self.result is not None, "the first round's error is the batch's"
+        self.rounds += 1
+        self.result = replace(self.result, attempts=self.result.attempts + exc.attempts)
+        if exc.applied is not False:
+            # That round reached a gateway and may have applied what was still failing.
+            self.unknown.update(self.result.errors)
+
+    def retryable(self) -> bool:
+        """Whether some entries failed in a way a resend (same request id) may fix."""
+        assert self.result is not None
+        return any(err.code in BATCH_RETRYABLE and
+                   (err.code != "internal" or self.internal.get(i, 0) <= self.policy.internal_retries)
+                   for i, err in self.result.errors.items())
+
+    def resend_at(self, now: float, wait: float) -> float | None:
+        """When to send the next round (after `wait` of backoff), or None: no more rounds."""
+        at = now + wait
+        if not self.retryable() or self.rounds >= self.policy.max_attempts:
+            return None
+        if self.deadline - at < self.policy.min_attempt_s or not self.window.admits(at, self.policy):
+            return None
+        return at
+
+    def final(self) -> BatchResult:
+        """The merged result; an entry some round left unknown says `applied=None` whatever came after."""
+        assert self.result is not None
+        results = list(self.result.results)
+        for i in self.unknown:
+            r = results[i] if i < len(results) else None
+            if isinstance(r, ShardgridError) and r.applied is not None:
+                r = copy.copy(r)
+                r.applied = None
+                results[i] = r
+        return replace(self.result, results=results)
 

@@ -13,19 +13,25 @@ The rules (runbook/client.md explains why each holds):
   generated once per logical write): a write resent with it is answered from
   the group's dedup table, never applied twice.
 - Reads are always safe to resend. A write is resent only with its request
-  id, and only within `write_retry_window_s` of its first attempt (the dedup
-  window). A call without an id is resent only when nothing reached a
-  gateway (the connection was refused) or when the gateway said nothing was
-  applied (503 `not_leader`, `unavailable`, `overloaded`).
-- 4xx, 501 and 503 `over_budget` are final: resending them unchanged cannot help.
-  500 `internal` is resent once. 504 is resent (a write with its id).
+  id, and only if the resend is sent within `write_retry_window_s` of its
+  first attempt (the dedup window; a batch's window spans all its resend
+  rounds, `WriteWindow`). A call without an id is resent only when nothing
+  reached a gateway (the connection was refused) or when the answer said
+  nothing was applied (503 `not_leader`, `unavailable`, `overloaded`, 408
+  `request_timeout`, a proxy's 429).
+- Other 4xx, 501 and 503 `over_budget` are final: resending them unchanged
+  cannot help. A 500 (with the gateway's error body or without) is resent
+  once. 504 is resent (a write with its id).
 - The caller's deadline bounds everything: each attempt carries what is
-  left of it in `x-deadline-ms`, and no attempt starts with less than
+  left of it in `x-deadline-ms` (computed again by the client just before
+  the request is written, `budget()`), and no attempt starts with less than
   `min_attempt_s` left.
 - An attempt that failed moves the call to a gateway it has not tried yet,
-  at once; only going back to one already tried waits (exponential backoff
-  with jitter, and at least the gateway's `retry-after` for `unavailable`
-  and `overloaded`).
+  at once; going back to one already tried waits (exponential backoff with
+  jitter). `unavailable` and `overloaded` (and a proxy's 429) wait at least
+  their `retry-after` whichever gateway is next: the group leader they speak
+  of is behind every gateway. A wait that would leave less than
+  `min_attempt_s` of the deadline ends the call at once instead.
 """
 from __future__ import annotations
 
@@ -42,11 +48,17 @@ Kind = Literal["read", "write"]
 Failure = Literal["refused", "broken", "timeout"]
 
 # Error codes after which the gateway promises nothing was applied: safe to
-# resend even a call without a request id, on another gateway.
-NOT_APPLIED_RETRYABLE = frozenset({"not_leader", "unavailable", "overloaded"})
+# resend even a call without a request id, on another gateway. (408: the body
+# did not arrive whole, the handler never ran.)
+NOT_APPLIED_RETRYABLE = frozenset({"not_leader", "unavailable", "overloaded", "request_timeout"})
+# Statuses that mean "not taken" whoever answered them, even without the
+# gateway's error body: a proxy's 408 (the body did not reach it) and 429
+# (its rate limit refused the request before forwarding it).
+NOT_APPLIED_BARE_STATUSES = frozenset({408, 429})
 # Codes whose write may or may not have been applied: resent only with the request id.
 UNKNOWN_RETRYABLE = frozenset({"quorum_timeout", "deadline_exceeded"})
-# Codes that say the server waited for itself: wait `retry-after` before going back to it.
+# Codes that speak of the shard group (its leader, its queue), which every
+# gateway forwards to: wait `retry-after` before the next attempt, on any gateway.
 HONOUR_RETRY_AFTER = frozenset({"unavailable", "overloaded"})
 
 
@@ -66,8 +78,10 @@ class RetryPolicy:
     # A gateway that refused a connection or dropped one is tried last for this long.
     gateway_down_s: float = 2.0
     # The gateway answers by the deadline it was given; this covers the way back.
+    # So a call returns within its deadline_s plus this (0: the deadline is a hard
+    # bound, and an answer the gateway sends right at the deadline is abandoned).
     response_margin_s: float = 0.5
-    # How many internal (500) answers one call is resent after.
+    # How many internal (500) answers one call (or one batch entry) is resent after.
     internal_retries: int = 1
 
 
@@ -108,6 +122,26 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
+
+
+@dataclass
+class WriteWindow:
+    """When a write was first sent: its dedup window (`write_retry_window_s`) starts there.
+
+    One per logical write: a batch's resend rounds are separate `CallPlan`s
+    sharing one, so a later round cannot restart the window.
+    """
+
+    first_sent: float | None = None
+
+    def admits(self, at: float, policy: RetryPolicy) -> bool:
+        """Whether a resend sent at `at` is still within the window."""
+        return self.first_sent is None or at - self.first_sent <= policy.write_retry_window_s
+
+
+def deadline_ms(remaining_s: float) -> str:
+    """The x-deadline-ms header for `remaining_s` of budget (1 ms at least, the gateway's cap at most)."""
+    return str(max(1, min(MAX_DEADLINE_MS, int(remaining_s * 1000))))
 
 
 @dataclass(frozen=True)
@@ -167,7 +201,7 @@ class CallPlan:
     """The attempts of one call: `start(now)`, then `next(outcome, now)` after each."""
 
     def __init__(self, call: Call, pool: GatewayPool, policy: RetryPolicy, deadline: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, window: WriteWindow | None = None) -> None:
         self.call = call
         self.pool = pool
         self.policy = policy
@@ -175,7 +209,7 @@ class CallPlan:
         self.rng = rng
         self.attempts = 0
         self.tried: set[int] = set()
-        self.first_sent: float | None = None
+        self.window = window if window is not None else WriteWindow()
         self.maybe_applied = False  # a write attempt's outcome was unknown
         self.only_refused = True  # every failure so far was a refused connection
         self._internal = 0
@@ -198,39 +232,58 @@ class CallPlan:
             self.maybe_applied = True
         if outcome.failure != "refused":
             self.only_refused = False
-        if outcome.failure is not None or not outcome.shaped:
+        if outcome.failure is not None or (not outcome.shaped and (outcome.status or 0) >= 500):
             self.pool.failed(g, now, self.policy.gateway_down_s)
         if not self._retryable(outcome, unknown):
             return self._stop(outcome)
         if self.attempts >= self.policy.max_attempts:
             return self._stop(outcome)
-        if (self.call.kind == "write" and self.first_sent is not None
-                and now - self.first_sent > self.policy.write_retry_window_s):
-            return self._stop(outcome)
         target = self.pool.pick(now, self.tried)
-        delay = 0.0
-        if target in self.tried:
-            delay = self._backoff()
-            if outcome.code in HONOUR_RETRY_AFTER and outcome.retry_after_s is not None:
-                delay = max(delay, outcome.retry_after_s)
+        delay = self._backoff() if target in self.tried else 0.0
+        if outcome.retry_after_s is not None and self._group_wide(outcome, target):
+            delay = max(delay, outcome.retry_after_s)
+        # The window is checked at the time the resend would go out, not now: a
+        # retry-after or a backoff can carry it past the end of the window.
+        if self.call.kind == "write" and not self.window.admits(now + delay, self.policy):
+            return self._stop(outcome)
         return self._send(target, now + delay, now, outcome)
 
+    def budget(self, now: float) -> tuple[str, float]:
+        """(x-deadline-ms, I/O timeout) for an attempt written at `now`.
+
+        The client calls it just before writing the request, so the time spent
+        connecting or oversleeping the planned send time is not promised to the
+        gateway. The timeout adds `response_margin_s` for the way back.
+        """
+        remaining = max(0.0, self.deadline - now)
+        return deadline_ms(remaining), remaining + self.policy.response_margin_s
+
     # -- rules
+
+    def _group_wide(self, o: Outcome, target: int) -> bool:
+        """Whether `o`'s retry-after holds for `target` too (see HONOUR_RETRY_AFTER)."""
+        if o.status == 429:
+            return True  # a proxy's rate limit: waiting is what it asks of every client
+        if o.code in HONOUR_RETRY_AFTER:
+            # The gateway's own answer speaks of the group; a bare proxy 503 only of what is behind that proxy.
+            return o.shaped or target in self.tried
+        return False
 
     def _unknown(self, o: Outcome) -> bool:
         """Whether the attempt may have been applied without saying so."""
         if o.failure is not None:
             return o.failure != "refused"
-        if o.status is not None and o.status >= 500 and not o.shaped:
-            return True
+        if o.status is not None and o.status >= 500 and o.status != 501 and not o.shaped:
+            return True  # a proxy's 5xx (501 excepted: "no such method" is final) says nothing of the write
         return o.code in UNKNOWN_RETRYABLE or o.code == "internal"
 
     def _retryable(self, o: Outcome, unknown: bool) -> bool:
         if o.failure == "refused":
             return True
-        if o.code in NOT_APPLIED_RETRYABLE and o.shaped:
+        if o.code in NOT_APPLIED_RETRYABLE and (o.shaped or o.status in NOT_APPLIED_BARE_STATUSES):
             return True
-        if o.code == "internal" and o.shaped:
+        if o.status == 500 or o.code == "internal":
+            # With the gateway's body or without: a 500 is a bug, resent once whoever answered it.
             self._internal += 1
             return self.call.resendable and self._internal <= self.policy.internal_retries
         if unknown:
@@ -249,11 +302,11 @@ class CallPlan:
         headers = dict(self.call.headers)
         if self.call.request_id is not None:
             headers["x-request-id"] = self.call.request_id
-        headers["x-deadline-ms"] = str(max(1, min(MAX_DEADLINE_MS, int(remaining * 1000))))
+        headers["x-deadline-ms"] = deadline_ms(remaining)
         self.attempts += 1
         self.tried.add(gateway)
-        if self.first_sent is None:
-            self.first_sent = at
+        if self.window.first_sent is None:
+            self.window.first_sent = at
         self._current = Send(gateway, at, headers, remaining + self.policy.response_margin_s, self.attempts)
         return self._current
 

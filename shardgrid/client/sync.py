@@ -7,16 +7,18 @@ gateway answers, read-your-writes seqs) is changed under one lock.
 """
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import ssl
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from shardgrid.client.core import Core, Op, Response, batch_retryable, decode, merge_batch
+from shardgrid.client.core import BatchRounds, Core, Op, Response, decode
 from shardgrid.client.errors import ShardgridError
-from shardgrid.client.policy import Outcome, RetryPolicy, Send
+from shardgrid.client.policy import CallPlan, Outcome, RetryPolicy, Send, WriteWindow
 from shardgrid.client.results import (BatchResult, Deleted, Embedding, InferResult, Item, SearchResult,
                                       SignalWritten, Signals, Written)
 
@@ -25,6 +27,53 @@ T = TypeVar("T")
 # dropped rather than reused, so a request rarely meets a connection closed under it.
 IDLE_S = 15.0
 MAX_IDLE_PER_GATEWAY = 8
+
+
+@dataclass
+class _Read:
+    """What one attempt has read of its answer so far (a stale connection reads nothing)."""
+
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The connection was never made: nothing was sent."""
+
+    cause: OSError
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket of one answer, read with the socket's timeout reset before every
+    recv to what is left of the attempt: a server dripping a byte at a time
+    cannot hold the call past its deadline (a plain socket timeout is per recv)."""
+
+    def __init__(self, sock: Any, end: float, progress: _Read) -> None:
+        super().__init__()
+        self._sock = sock
+        self._end = end  # time.monotonic(): socket timeouts are real time, whatever clock the client was given
+        self._progress = progress
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer did not arrive whole within the call's deadline")
+        self._sock.settimeout(left)
+        n = self._sock.recv_into(b)
+        self._progress.bytes += n
+        return n
+
+
+class _BoundedResponse(http.client.HTTPResponse):
+    """An HTTPResponse reading through `_DeadlineReader` (status line, headers and body)."""
+
+    def __init__(self, sock: Any, *args: Any, end: float, progress: _Read, **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp.close()  # the plain makefile() of the base class, not read from yet
+        self.fp = io.BufferedReader(_DeadlineReader(sock, end, progress))
 
 
 class Client:
@@ -121,22 +170,16 @@ class Client:
         may fix are resent, the whole batch with the same request id, within the deadline;
         what still failed is in `errors`."""
         op = self._core.batch(writes, ack=ack, request_id=request_id, deadline_s=deadline_s)
-        end = self._clock() + op.deadline_s
-        result = self._run(op)
-        rounds = 1
-        while batch_retryable(result) and rounds < self._core.policy.max_attempts:
-            wait = self._core.backoff(rounds)
-            remaining = end - self._clock() - wait
-            if remaining < self._core.policy.min_attempt_s:
-                break
-            self._sleep(wait)
+        rounds = BatchRounds(self._core.policy, self._clock() + op.deadline_s)
+        rounds.took(self._run(op, rounds.deadline, rounds.window))  # the first round's error is the batch's
+        while (at := rounds.resend_at(self._clock(), self._core.backoff(rounds.rounds))) is not None:
+            self._sleep(at - self._clock())
             try:
-                again = self._run(replace(op, deadline_s=remaining))
-            except ShardgridError:
-                break  # keep what the first rounds got; the failed entries keep their errors
-            result = merge_batch(result, again)
-            rounds += 1
-        return result
+                rounds.took(self._run(op, rounds.deadline, rounds.window))
+            except ShardgridError as exc:
+                rounds.failed(exc)  # its attempts are spent; what it may have applied is noted
+                break
+        return rounds.final()
 
     def infer(self, model: str, rows: Sequence[Sequence[float]], *, deadline_s: float | None = None) -> InferResult:
         return self._run(self._core.infer(model, rows, deadline_s=deadline_s))
@@ -146,12 +189,17 @@ class Client:
 
     # -- the loop
 
-    def _run(self, op: Op[T]) -> T:
+    def _run(self, op: Op[T], deadline: float | None = None, window: WriteWindow | None = None) -> T:
+        """One call. `deadline` (monotonic): the whole call's, given when this call is part of a
+        larger one (a batch round, the shard-count lookup of a read); `window`: a batch's dedup window."""
         core = self._core
+        if deadline is None:
+            deadline = self._clock() + op.deadline_s
         if core.needs_shard_count(op):
-            core.learn_shard_count(self._run(core.healthz(op.deadline_s)))
+            # Charged to the read's own deadline: the caller's budget is for the whole call.
+            core.learn_shard_count(self._run(core.healthz(op.deadline_s), deadline))
         now = self._clock()
-        plan = core.plan(op, now + op.deadline_s)
+        plan = core.plan(op, deadline, window)
         with core.lock:
             step = plan.start(now)
         last: Response | None = None
@@ -159,42 +207,67 @@ class Client:
             wait = step.at - self._clock()
             if wait > 0:
                 self._sleep(wait)
-            last, outcome = self._attempt(step, op)
+            last, outcome = self._attempt(step, op, plan)
             with core.lock:
                 step = plan.next(outcome, self._clock())
         return core.finish(op, plan, step, last)
 
-    def _attempt(self, step: Send, op: Op[Any]) -> tuple[Response | None, Outcome]:
+    def _attempt(self, step: Send, op: Op[Any], plan: CallPlan) -> tuple[Response | None, Outcome]:
+        base = self._core.gateways[step.gateway].base
+        conn, reused = self._checkout(step.gateway)
+        result, progress = self._exchange(conn, step, op, plan)
+        if reused and isinstance(result, Exception) and not isinstance(result, TimeoutError) and not progress.bytes:
+            # A pooled connection the server (or a proxy) closed while it sat idle fails
+            # before any byte of an answer: that says nothing of the gateway. Once, on a
+            # fresh connection, with the same request id (so a write that did arrive is
+            # answered from the dedup table): not an attempt, the gateway not marked down.
+            conn = self._connection(step.gateway)
+            result, progress = self._exchange(conn, step, op, plan)
+        if isinstance(result, Response):
+            return result, self._core.outcome(result)
+        if isinstance(result, _Refused):
+            return None, Outcome(failure="refused", detail=f"{base}: {result.cause}")
+        if isinstance(result, TimeoutError):
+            return None, Outcome(failure="timeout", detail=f"{base}: {result}")
+        return None, Outcome(failure="broken", detail=f"{base}: {type(result).__name__} {result}")
+
+    def _exchange(self, conn: http.client.HTTPConnection, step: Send, op: Op[Any],
+                  plan: CallPlan) -> tuple[Response | Exception | _Refused, _Read]:
+        """One request on `conn`: the answer, or the exception that ended it (the connection closed)."""
         call = op.call
-        conn = self._checkout(step.gateway, step.timeout_s)
-        headers = dict(step.headers)
-        if call.body is not None:
-            headers["content-type"] = "application/json"
+        progress = _Read()
         try:
             if conn.sock is None:
+                conn.timeout = max(0.001, plan.budget(self._clock())[1])
                 conn.connect()
         except OSError as exc:  # nothing was sent: safe to send anywhere else
             conn.close()
-            return None, Outcome(failure="refused", detail=f"{self._core.gateways[step.gateway].base}: {exc}")
+            return _Refused(exc), progress
+        # Just before writing: connecting and oversleeping are not promised to the gateway.
+        deadline_ms, timeout_s = plan.budget(self._clock())
+        headers = {**step.headers, "x-deadline-ms": deadline_ms}
+        if call.body is not None:
+            headers["content-type"] = "application/json"
+        # The response reads through _DeadlineReader: this bounds the whole answer, not each recv.
+        conn.response_class = functools.partial(_BoundedResponse, end=time.monotonic() + timeout_s,
+                                                progress=progress)  # type: ignore[assignment]
         try:
+            assert conn.sock is not None
+            conn.sock.settimeout(max(0.001, timeout_s))  # bounds sending (sendall's timeout is its total)
             conn.request(call.method, call.path, body=call.body, headers=headers)
             r = conn.getresponse()
             raw = r.read()
-        except TimeoutError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
             conn.close()
-            return None, Outcome(failure="timeout", detail=f"{self._core.gateways[step.gateway].base}: {exc}")
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            return None, Outcome(failure="broken",
-                                 detail=f"{self._core.gateways[step.gateway].base}: {type(exc).__name__} {exc}")
+            return exc, progress
         if r.will_close:
             conn.close()
         else:
             self._checkin(step.gateway, conn)
-        resp = Response(r.status, {k.lower(): v for k, v in r.getheaders()}, decode(raw))
-        return resp, self._core.outcome(resp)
+        return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, decode(raw)), progress
 
-    def _checkout(self, g: int, timeout_s: float) -> http.client.HTTPConnection:
+    def _checkout(self, g: int) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection to gateway `g` (True: reused) or a new one, not yet connected (False)."""
         now = self._clock()
         stale: list[http.client.HTTPConnection] = []
         conn: http.client.HTTPConnection | None = None
@@ -208,18 +281,18 @@ class Client:
                 stale.append(c)
         for c in stale:
             c.close()
-        if conn is None:
-            gw = self._core.gateways[g]
-            if gw.scheme == "https":
-                conn = http.client.HTTPSConnection(gw.host, gw.port, timeout=timeout_s, context=self._ssl)
-            else:
-                conn = http.client.HTTPConnection(gw.host, gw.port, timeout=timeout_s)
-        conn.timeout = timeout_s
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout_s)
-        return conn
+        if conn is not None and conn.sock is not None:
+            return conn, True
+        return self._connection(g), False
+
+    def _connection(self, g: int) -> http.client.HTTPConnection:
+        gw = self._core.gateways[g]
+        if gw.scheme == "https":
+            return http.client.HTTPSConnection(gw.host, gw.port, context=self._ssl)
+        return http.client.HTTPConnection(gw.host, gw.port)
 
     def _checkin(self, g: int, conn: http.client.HTTPConnection) -> None:
+        conn.response_class = http.client.HTTPResponse  # type: ignore[assignment]  # drop the attempt's bound
         with self._conn_lock:
             if len(self._idle[g]) < MAX_IDLE_PER_GATEWAY:
                 self._idle[g].append((conn, self._clock()))

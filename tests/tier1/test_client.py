@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from shardgrid.client import (AsyncClient, BadRequest, Client, ClientError, DeadlineExceeded, GatewayUnreachable,
-                              NotFound, NotLeader, OverBudget, QuorumTimeout, RetryPolicy, ShardgridError,
-                              Unavailable)
+                              NotFound, NotLeader, OverBudget, ProxyError, QuorumTimeout, RetryPolicy,
+                              ShardgridError, Unavailable)
 from shardgrid.client import errors
 from shardgrid.client.policy import Call, CallPlan, GatewayPool, Outcome, Send, Stop
 from shardgrid.common.wire import STATUS_FOR_CODE
@@ -108,6 +108,7 @@ def test_a_write_without_a_request_id_is_resent_only_when_nothing_was_applied() 
 
 def test_the_deadline_bounds_the_attempts_and_each_carries_what_is_left() -> None:
     p = plan(READ, gateways=2, deadline=1.0, max_attempts=100, backoff_base_s=0.05, backoff_cap_s=0.2)
+    not_leader = Outcome(status=503, code="not_leader")
     step = p.start(0.0)
     budgets, ats = [], []
     now = 0.0
@@ -118,12 +119,17 @@ def test_the_deadline_bounds_the_attempts_and_each_carries_what_is_left() -> Non
         ats.append(step.at)
         assert budgets[-1] == int((1.0 - step.at) * 1000)
         assert step.timeout_s == pytest.approx(1.0 - step.at + RetryPolicy().response_margin_s)
-        step = p.next(UNAVAILABLE, now)
+        step = p.next(not_leader, now)
     assert budgets[0] == 1000 and budgets == sorted(budgets, reverse=True)
     assert all(at <= 1.0 - RetryPolicy().min_attempt_s for at in ats)
-    # Going back to a tried gateway waits at least the retry-after of 1 s: so two attempts fit.
-    assert len(budgets) == 2
+    assert len(budgets) > 5  # backoff, capped at 0.2 s, no retry-after
     assert isinstance(step, Stop) and step.error is None  # the last answer (503) is what the caller gets
+    # `unavailable` asks for a retry-after of 1 s, on whichever gateway is next: no second attempt fits in 1 s,
+    # and the call ends at once rather than sleeping past its deadline.
+    p = plan(READ, gateways=2, deadline=1.0)
+    assert isinstance(p.start(0.0), Send)
+    stop = p.next(UNAVAILABLE, 0.01)
+    assert isinstance(stop, Stop) and stop.error is None and p.attempts == 1
 
 
 def test_the_deadline_bounds_attempts_when_gateways_do_not_answer() -> None:
@@ -188,8 +194,14 @@ def test_every_error_code_has_its_class() -> None:
         assert exc.context == {"shard": 2, "term": 7} and exc.message == "m"
         if status in families:
             assert isinstance(exc, families[status]), code
-    assert isinstance(errors.error_from(404, "not json"), NotFound)
-    assert isinstance(errors.error_from(418, {}), ClientError)
+    # Without the gateway's error body, something in front of it answered: a bare 404 is not "no such item".
+    for status in (404, 418, 502, 503):
+        bare = errors.error_from(status, "<html>not json</html>")
+        assert type(bare) is ProxyError and bare.status == status and bare.code == "proxy_error"
+        assert not isinstance(bare, (NotFound, ClientError, Unavailable))
+    assert isinstance(errors.error_from(408, ""), errors.RequestTimeout)
+    assert isinstance(errors.error_from(429, ""), errors.Overloaded)
+    assert isinstance(errors.error_from(504, ""), DeadlineExceeded)
     assert isinstance(errors.error_from(503, {"error": {"code": "not_leader", "message": ""}}), NotLeader)
     assert isinstance(errors.error_from(504, {"error": {"code": "quorum_timeout", "message": ""}}), QuorumTimeout)
 
@@ -418,9 +430,9 @@ def test_the_deadline_bounds_retries_and_x_deadline_ms_carries_the_rest(fakes: C
         with pytest.raises(Unavailable) as info:
             c.put("a", {})
     budgets = [int(s.headers["x-deadline-ms"]) for s in f.seen]
-    # gw1, gw2 at once; then back to one after retry-after each time (1 s, no real sleeping): 5 attempts fit.
-    assert budgets == [3500, 3500, 2500, 1500, 500]
-    assert info.value.attempts == 5 and info.value.applied is False
+    # `unavailable`: the retry-after (1 s, no real sleeping) before every next attempt, whichever gateway.
+    assert budgets == [3500, 2500, 1500, 500] and [s.gateway for s in f.seen[:2]] == ["gw1", "gw2"]
+    assert info.value.attempts == 4 and info.value.applied is False
     assert t.slept == [1.0, 1.0, 1.0]
 
 
@@ -522,3 +534,397 @@ def test_gateway_answer_shapes(fakes: Callable[..., Fakes]) -> None:
         c.get("a b/c")
     assert f.seen[0].body == {"vector": [0.5, 0.5], "k": 3}
     assert f.seen[-1].path == "/items/a%20b/c"
+
+
+# -- regressions of the review (issue 29) ----------------------------------------------------------
+
+OK_ENTRY = {"shard": 0, "seq": 4, "term": 2, "served_by": "w1", "result": 1}
+TWO_SIGNALS = [{"op": "signal", "entity": "a", "kind": "n", "value": 1},
+               {"op": "signal", "entity": "b", "kind": "n", "value": 1}]
+
+
+def test_a_batch_entry_error_carries_the_batch_id_not_a_request_id_to_resend_it_alone(
+        fakes: Callable[..., Fakes]) -> None:
+    # The worker keeps entry 1 under `<id>#1`: the same write resent alone with `<id>` would apply again.
+    f = fakes(lambda gw, s: (200, {"results": [OK_ENTRY, {"error": {"code": "quorum_timeout", "message": "m",
+                                                                    "shard": 1}}]},
+                             {"x-request-id": s.headers["x-request-id"]}), names=("gw1",))
+    for res in run_both(f.urls, lambda c: c.batch(TWO_SIGNALS, request_id="batch-R"),
+                        policy=RetryPolicy(max_attempts=1)):
+        e = res.errors[1]
+        assert isinstance(e, QuorumTimeout) and e.applied is None
+        assert e.request_id is None and e.batch_request_id == "batch-R" and e.batch_index == 1
+        assert "resend the whole batch" in str(e) and res.request_id == "batch-R"
+
+
+def _async_fake_time() -> tuple[FakeTime, Callable[[float], Any]]:
+    t = FakeTime()
+
+    async def sleep(s: float) -> None:
+        t.sleep(s)
+
+    return t, sleep
+
+
+def test_a_batch_entry_stays_perhaps_applied_when_a_later_round_raises(fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        if sum(1 for x in f.seen if x.headers["x-request-id"] == s.headers["x-request-id"]) == 1:
+            # round 1 of each client: entry 1 not applied
+            return 200, {"results": [OK_ENTRY, {"error": {"code": "unavailable", "message": "m", "shard": 1}}]}, {}
+        # round 2 reached the gateway (it may have applied entry 1), then no answer came
+        return err("quorum_timeout", shard=1)
+
+    f = fakes(script, names=("gw1",))
+    for res in run_both(f.urls, lambda c: c.batch(TWO_SIGNALS), deadline_s=3.0, policy=RetryPolicy(max_attempts=2)):
+        assert isinstance(res.errors[1], Unavailable) and res.errors[1].applied is None
+        assert res.attempts == 3  # round 1's one, round 2's two
+    assert len(f.seen) == 6
+
+
+def test_a_batch_entry_perhaps_applied_is_not_made_not_applied_by_a_later_round(fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        if sum(1 for x in f.seen if x.headers["x-request-id"] == s.headers["x-request-id"]) == 1:
+            return 200, {"results": [OK_ENTRY, {"error": {"code": "quorum_timeout", "message": "m", "shard": 1}}]}, {}
+        return 200, {"results": [dict(OK_ENTRY, result=None),
+                                 {"error": {"code": "unavailable", "message": "no leader", "shard": 1}}]}, {}
+
+    f = fakes(script, names=("gw1",))
+    for res in run_both(f.urls, lambda c: c.batch(TWO_SIGNALS), deadline_s=3.0, policy=RetryPolicy(max_attempts=3)):
+        assert isinstance(res.errors[1], Unavailable) and res.errors[1].applied is None
+        assert res.results[0].result == 1  # the first answer kept
+
+
+def test_batch_rounds_keep_one_write_retry_window(fakes: Callable[..., Fakes]) -> None:
+    t = FakeTime()
+
+    def script(gw: str, s: Seen) -> Answer:
+        t.now += 2.0  # every answer takes 2 s
+        return 200, {"results": [OK_ENTRY, {"error": {"code": "quorum_timeout", "message": "m", "shard": 1}}]}, {}
+
+    f = fakes(script, names=("gw1",))
+    with Client(f.urls, clock=t.clock, sleep=t.sleep, seed=1, policy=RetryPolicy(write_retry_window_s=1.0)) as c:
+        res = c.batch(TWO_SIGNALS)
+    assert len(f.seen) == 1 and res.errors[1].applied is None  # a resend 2 s after the first send: past the window
+
+    f.seen.clear()
+    t2, sleep = _async_fake_time()
+
+    async def go() -> Any:
+        async with AsyncClient(f.urls, clock=lambda: t.now, sleep=sleep, seed=1,
+                               policy=RetryPolicy(write_retry_window_s=1.0)) as ac:
+            return await ac.batch(TWO_SIGNALS)
+
+    asyncio.run(go())
+    assert len(f.seen) == 1
+
+
+def test_the_write_window_is_checked_when_the_resend_would_go_out() -> None:
+    p = plan(WRITE, gateways=1, deadline=10.0, write_retry_window_s=1.0)
+    p.start(0.0)
+    assert isinstance(p.next(Outcome(status=504, code="quorum_timeout"), 0.5), Send)
+    # Decided at 0.9, but the retry-after of 1 s would send it at 1.9: past the window.
+    stop = p.next(Outcome(status=503, code="unavailable", retry_after_s=1.0), 0.9)
+    assert isinstance(stop, Stop) and stop.applied is None
+
+
+def _drip_server(total: int, every_s: float) -> tuple[str, threading.Event, socket.socket]:
+    """An HTTP server promising `total` body bytes and sending one every `every_s` (real time)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    stop = threading.Event()
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % total)
+            for _ in range(total):
+                if stop.wait(every_s):
+                    return
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    threading.Thread(target=run, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", stop, srv
+
+
+def test_the_sync_client_bounds_the_whole_answer_not_each_recv() -> None:
+    # A byte every 0.1 s for 4 s: every recv is quick, the answer is not. Bounded by the deadline
+    # (0.3 s) plus the margin (0.1 s); before, the call took the whole 4 s.
+    import time
+    url, stop, srv = _drip_server(40, 0.1)
+    t0 = time.monotonic()
+    try:
+        with Client([url], deadline_s=0.3, policy=RetryPolicy(response_margin_s=0.1, max_attempts=1)) as c:
+            with pytest.raises(DeadlineExceeded) as info:
+                c.get("x")
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        srv.close()
+    assert took < 2.0 and info.value.status is None
+
+
+def test_the_deadline_reader_never_waits_past_its_end() -> None:
+    from shardgrid.client.sync import _DeadlineReader, _Read
+
+    class Sock:
+        timeouts: list[float] = []
+
+        def settimeout(self, t: float) -> None:
+            self.timeouts.append(t)
+
+        def recv_into(self, b: Any) -> int:
+            b[0:1] = b"x"
+            return 1
+
+    import time
+    progress = _Read()
+    reader = _DeadlineReader(Sock(), time.monotonic() + 60.0, progress)
+    assert reader.readinto(bytearray(8)) == 1 and progress.bytes == 1
+    assert 0 < Sock.timeouts[-1] <= 60.0  # what is left, not a fixed per-recv timeout
+    with pytest.raises(TimeoutError):
+        _DeadlineReader(Sock(), time.monotonic() - 0.001, progress).readinto(bytearray(8))
+
+
+def test_the_shard_count_lookup_is_charged_to_the_read_deadline(fakes: Callable[..., Fakes]) -> None:
+    t = FakeTime()
+
+    def script(gw: str, s: Seen) -> Answer:
+        if s.path == "/healthz":
+            t.now += 0.9
+            return 200, {"ok": True, "shards": 3}, {}
+        if s.method == "POST":
+            return ok({"entity": "u", "value": 1, "seq": 5}, shard=shard_for("u", 3), seq=5)
+        return ok({"entity": "u", "counters": {}, "last": {}}, shard=shard_for("u", 3), seq=5)
+
+    f = fakes(script)
+    with Client(f.urls, clock=t.clock, sleep=t.sleep, seed=1, read_your_writes=True, deadline_s=1.0) as c:
+        c.incr("u", "n")
+        c.signals("u")
+    read = [s for s in f.seen if s.path.startswith("/signals/")][0]
+    assert read.headers["x-deadline-ms"] == "100"  # 1 s for the call, 0.9 of it spent on /healthz
+
+
+def test_an_ipv6_gateway_address() -> None:
+    from shardgrid.client.core import Gateway
+    gw = Gateway.parse("http://[::1]:8080")
+    assert gw.host == "::1" and gw.base == "http://[::1]:8080"
+    assert Gateway.parse("https://[fe80::1]").base == "https://[fe80::1]:443"
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+
+    async def go() -> Any:
+        async def h(request: web.Request) -> web.Response:
+            return web.json_response({"v": 1}, headers={"x-shard": "0"})
+
+        app = web.Application()
+        app.router.add_get("/items/{id}", h)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "::1", 0).start()
+        try:
+            port = runner.addresses[0][1]
+            async with AsyncClient([f"http://[::1]:{port}"]) as ac:
+                return await ac.get("k")
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()).doc == {"v": 1}
+
+
+def test_gateway_unreachable_is_not_an_unavailable_and_says_applied() -> None:
+    assert not issubclass(GatewayUnreachable, Unavailable) and not issubclass(ProxyError, Unavailable)
+    p = plan(WRITE)
+    p.start(0.0)
+    stop = p.next(Outcome(failure="broken"), 0.1)
+    stop = p.next(Outcome(failure="broken"), 0.2)
+    while isinstance(stop, Send):
+        stop = p.next(Outcome(failure="broken"), stop.at + 0.1)
+    assert isinstance(stop, Stop) and isinstance(stop.error, GatewayUnreachable) and stop.error.applied is None
+    assert stop.error.code == "gateway_unreachable"
+
+
+def test_a_proxy_bare_503_is_a_proxy_error_with_unknown_outcome(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: (503, "<html>503 Service Unavailable</html>", {}))
+    for res in run_both(f.urls, lambda c: c.incr("u", "n"), deadline_s=0.5):
+        assert type(res) is ProxyError and res.status == 503 and res.applied is None
+
+
+class _ClosingServer:
+    """Answers one request per connection, says keep-alive, then closes it: the client pools
+    a connection the server has closed (a gateway restart, a proxy's idle timeout)."""
+
+    def __init__(self) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(16)
+        self.srv.settimeout(0.1)
+        self.connections = 0
+        self.requests = 0
+        self.stop = threading.Event()
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(2.0)
+                buf = b""
+                try:
+                    while b"\r\n\r\n" not in buf:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        buf += chunk
+                    if not buf:
+                        continue
+                    head, _, body = buf.partition(b"\r\n\r\n")
+                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), 0)
+                    while len(body) < length:
+                        body += conn.recv(65536)
+                    self.requests += 1
+                    payload = b'{"entity":"u","value":1,"seq":3}'
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                                 b"x-shard: 0\r\nx-seq: 3\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+                except OSError:
+                    continue
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.srv.close()
+
+
+def test_a_stale_pooled_connection_is_resent_once_on_a_new_one_without_counting_an_attempt() -> None:
+    server = _ClosingServer()
+    try:
+        other = refused_url()
+        with sync_client([server.url, other]) as c:
+            first = c.incr("u", "n")
+            second = c.incr("u", "n")  # on the pooled connection the server has closed
+            assert c._core.pool.down_until == [0.0, 0.0] and c._core.pool.preferred == 0
+        assert first.attempts == 1 and second.attempts == 1
+        assert server.requests == 2 and server.connections >= 2
+
+        async def go() -> list[int]:
+            async with AsyncClient([server.url, other], seed=1) as ac:
+                out = [(await ac.incr("u", "n")).attempts for _ in range(3)]
+                assert ac._core.pool.down_until == [0.0, 0.0]
+                return out
+
+        assert asyncio.run(go()) == [1, 1, 1]
+    finally:
+        server.close()
+
+
+def test_overloaded_waits_its_retry_after_on_the_next_gateway_too() -> None:
+    p = plan(WRITE, gateways=3, deadline=10.0)
+    s = p.start(0.0)
+    s = p.next(Outcome(status=503, code="overloaded", retry_after_s=1.0), 0.01)
+    assert isinstance(s, Send) and s.gateway == 1 and s.at == pytest.approx(1.01)
+    # A proxy's 429: the same.
+    s = p.next(Outcome(status=429, code="overloaded", retry_after_s=2.0, shaped=False), 1.02)
+    assert isinstance(s, Send) and s.gateway == 2 and s.at == pytest.approx(3.02)
+    # not_leader has nothing to wait for.
+    s = p.next(Outcome(status=503, code="not_leader", retry_after_s=1.0), 3.03)
+    assert isinstance(s, Send) and s.at < 3.3
+
+
+def test_a_408_is_retried_and_a_proxy_429_is_overloaded(fakes: Callable[..., Fakes]) -> None:
+    def script(gw: str, s: Seen) -> Answer:
+        if gw == "gw1":
+            return err("request_timeout")
+        return ok({"id": "a", "created": True, "seq": 3})
+
+    f = fakes(script)
+    for res in run_both(f.urls, lambda c: c.put("a", {})):
+        assert res.attempts == 2
+    f429 = fakes(lambda gw, s: (429, "Too Many Requests", {"retry-after": "1"}))
+    for res in run_both(f429.urls, lambda c: c.put("a", {}), deadline_s=2.5):
+        assert isinstance(res, errors.Overloaded) and res.status == 429 and res.applied is False
+        assert res.attempts == 3  # at 0, 1 and 2 s: the retry-after honoured
+
+
+def test_a_bare_404_is_not_not_found(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: (404, "<html>no such vhost</html>", {}))
+    for res in run_both(f.urls, lambda c: c.get("k")):
+        assert type(res) is ProxyError and res.status == 404 and res.attempts == 1
+
+
+def test_a_500_is_resent_once_with_an_error_body_or_without() -> None:
+    for shaped in (True, False):
+        p = plan(WRITE, gateways=1, deadline=100.0, backoff_cap_s=0.01)
+        s = p.start(0.0)
+        while isinstance(s, Send):
+            s = p.next(Outcome(status=500, code="internal", shaped=shaped), s.at + 0.001)
+        assert p.attempts == 2 and isinstance(s, Stop) and s.applied is None, shaped
+
+
+def test_a_batch_entry_internal_is_resent_once(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: (200, {"results": [OK_ENTRY, {"error": {"code": "internal", "message": "bug"}}]}, {}),
+              names=("gw1",))
+    for res in run_both(f.urls, lambda c: c.batch(TWO_SIGNALS), deadline_s=5.0):
+        assert isinstance(res.errors[1], errors.InternalError) and res.errors[1].applied is None
+    assert len(f.seen) == 4  # two rounds per client
+
+
+def test_a_call_deadline_is_validated_like_the_client_deadline(fakes: Callable[..., Fakes]) -> None:
+    f = fakes(lambda gw, s: ok({"v": 1}))
+    with sync_client(f.urls) as c:
+        for bad in (0, -1.0, 300.001, 1000):
+            with pytest.raises(ValueError):
+                c.get("k", deadline_s=bad)
+            with pytest.raises(ValueError):
+                c.batch(TWO_SIGNALS, deadline_s=bad)
+        assert c.get("k", deadline_s=300).doc == {"v": 1}
+    assert [s.headers["x-deadline-ms"] for s in f.seen] == ["300000"]
+
+
+def test_x_deadline_ms_is_what_is_left_when_the_request_is_written(fakes: Callable[..., Fakes]) -> None:
+    # A sleep that oversleeps by 0.25 s (a loaded machine): the gateway is promised only what is left.
+    f = fakes(lambda gw, s: err("unavailable") if len(f.seen) % 2 == 1 else ok({"v": 1}))
+    t = FakeTime()
+
+    def oversleep(s: float) -> None:
+        t.sleep(s + 0.25)
+
+    with Client(f.urls, clock=t.clock, sleep=oversleep, seed=1, deadline_s=3.0) as c:
+        c.get("k")
+
+    async def asleep(s: float) -> None:
+        t.sleep(s + 0.25)
+
+    async def go() -> None:
+        async with AsyncClient(f.urls, clock=t.clock, sleep=asleep, seed=1, deadline_s=3.0) as ac:
+            await ac.get("k")
+
+    asyncio.run(go())
+    assert [s.headers["x-deadline-ms"] for s in f.seen] == ["3000", "1750"] * 2
+
+
+def test_the_client_copies_of_the_gateway_limits() -> None:
+    from gateway import limits
+    from gateway.routes import _RID
+    from shardgrid.client import core, policy
+    assert policy.MAX_DEADLINE_MS == limits.MAX_DEADLINE_MS and core.MAX_DEADLINE_S * 1000 == limits.MAX_DEADLINE_MS
+    assert core.ACKS == limits.ACKS and core.CONSISTENCIES == limits.CONSISTENCIES
+    assert core.MAX_REQUEST_ID == limits.MAX_REQUEST_ID
+    samples = ["", "a", "a" * 100, "a" * 101, "has#hash", "sp ace", "tab\t", "é", "\x7f", "!~\"$", "batch-R", "#"]
+    samples += [chr(c) for c in range(0x20, 0x80)]
+    for rid in samples:
+        assert core.valid_request_id(rid) == bool(_RID.fullmatch(rid)), repr(rid)

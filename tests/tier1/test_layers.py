@@ -7,6 +7,11 @@ other. Imports inside functions count (a lazy import is still a dependency);
 imports under `if TYPE_CHECKING:` do not (annotations only). Module-level imports
 must also form no cycle: a cycle means neither module can be read, tested or
 imported first on its own.
+
+`shardgrid.client` sits in the applications' layer (nothing below imports it) but
+is held to more: it imports only `shardgrid.common`, `topology` and itself, so
+that a program using it does not pull in the gateway, the workers or meta (its
+copies of the gateway's limits are checked by tests/tier1/test_client.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("topology", "shardgrid", "meta", "worker", "gateway")
 APPLICATIONS = 4
+CLIENT = "shardgrid.client"
+CLIENT_MAY_IMPORT = ("topology", "shardgrid.common", CLIENT)
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,15 @@ def layer_violations(imports: list[Import]) -> list[str]:
         (src_rank, src), (dst_rank, dst) = layer(imp.source), layer(imp.target)
         if dst_rank > src_rank or (src_rank == dst_rank == 3 and src != dst):
             bad.append(f"{imp.path}:{imp.line}: {imp.source} ({src}) imports {imp.target} ({dst})")
+        elif _within(imp.source, CLIENT) and not any(_within(imp.target, ok) for ok in CLIENT_MAY_IMPORT) \
+                and imp.target != "shardgrid":
+            bad.append(f"{imp.path}:{imp.line}: {imp.source} (the client) imports {imp.target}: the client "
+                       f"imports only {', '.join(CLIENT_MAY_IMPORT)}")
     return bad
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def find_cycle(imports: list[Import]) -> list[str] | None:
@@ -161,6 +176,14 @@ def test_the_checks_see_a_planted_violation_and_cycle() -> None:
     assert layer_violations([imp("worker.server", "gateway.router")])
     assert layer_violations([imp("shardgrid.common.wire", "shardgrid.bench.load")])
     assert not layer_violations([imp("shardgrid.cli", "gateway.process"), imp("worker.group", "meta.client")])
+    assert layer_violations([imp("shardgrid.client.core", "gateway.limits", top=False)])
+    assert layer_violations([imp("shardgrid.client.sync", "shardgrid.bench.config")])
+    assert layer_violations([imp("shardgrid.client", "meta.client")])
+    assert not layer_violations([imp("shardgrid.client.core", "topology.routing"),
+                                 imp("shardgrid.client.aio", "shardgrid.common.wire"),
+                                 imp("shardgrid.client", "shardgrid.client.sync"),
+                                 imp("shardgrid.bench.run", "shardgrid.client")])
+    assert not layer_violations([imp("shardgrid.clientele", "gateway.limits")])  # only the package itself
     assert find_cycle([imp("gateway.a", "gateway.b"), imp("gateway.b", "gateway.a")]) == \
         ["gateway.a", "gateway.b", "gateway.a"]
     assert find_cycle([imp("gateway.a", "gateway.b"), imp("gateway.b", "gateway.a", top=False)]) is None

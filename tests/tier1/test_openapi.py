@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # (METHOD, path) of routes the gateway serves that the document leaves out on
 # purpose, each with the reason. None today: every route of the gateway is public.
 UNDOCUMENTED: dict[tuple[str, str], str] = {}
-# aiohttp adds a HEAD for every GET (add_get's allow_head); it answers as the GET without a body.
-IGNORED_METHODS = frozenset({"HEAD"})
 _METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
 
 
@@ -46,8 +44,10 @@ def _app() -> web.Application:
 
 
 def served_routes(app: web.Application) -> set[tuple[str, str]]:
-    return {(route.method, resource.canonical) for resource in app.router.resources() for route in resource
-            if route.method not in IGNORED_METHODS}
+    routes = {(route.method, resource.canonical) for resource in app.router.resources() for route in resource}
+    # aiohttp adds a HEAD for every GET (add_get's allow_head), answered as the GET without a body: left
+    # out, as the document does. A HEAD on a path without a GET was added on purpose and must be documented.
+    return {(method, path) for method, path in routes if method != "HEAD" or ("GET", path) not in routes}
 
 
 def route_mismatches(app: web.Application, doc: dict[str, Any]) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
@@ -74,6 +74,9 @@ def test_the_check_catches_a_new_route_and_a_stale_document(doc: dict[str, Any])
 
     app.router.add_post("/items/{id}/touch", handler)
     assert route_mismatches(app, doc) == ({("POST", "/items/{id}/touch")}, set())
+    head_only = _app()
+    head_only.router.add_head("/only-head", handler)
+    assert route_mismatches(head_only, doc) == ({("HEAD", "/only-head")}, set())
     stale = build_document()
     stale["paths"]["/gone"] = {"get": stale["paths"]["/healthz"]["get"]}
     assert route_mismatches(_app(), stale) == (set(), {("GET", "/gone")})
