@@ -7,8 +7,10 @@ every rule is tested on hand-built dicts (tests/tier1/test_health.py).
 
 - red: some request cannot be served. Meta has no leader or has lost its
   majority; no topology is applied; a group has no leader, a leader that has
-  not finished its start-of-term round, a leader that is down or leads
-  without a quorum, or fewer voters able to serve than a quorum needs.
+  not finished its start-of-term round, a leader that cannot serve (down,
+  silent, failed, corrupt, re-syncing, not reporting the group, leading
+  without a quorum, or whose own report does not say it leads the group's
+  term, ready), or fewer voters able to serve than a quorum needs.
 - yellow: everything is served, but with less margin than it should have.
   A group has fewer voters than its replication factor, a learner catching
   up, a placement change (operator) in progress, or a voter that is down,
@@ -84,7 +86,8 @@ class ReplicaHealth:
     group: int
     worker: str
     role: str  # leader, voter, learner
-    # ok, lagging, down, silent, missing, closed, corrupt, failed, resyncing, no-quorum, cut-off, unheard, unknown
+    # ok, lagging, down, silent, missing, closed, corrupt, failed, resyncing, not-leading, no-quorum, cut-off,
+    # unheard, unknown
     state: str
     why: str
     commit: int | None = None
@@ -139,6 +142,20 @@ def _report(w: Mapping[str, Any] | None, gid: int) -> dict[str, Any] | None:
     return rep if isinstance(rep, dict) else None
 
 
+def _leads(rep: Mapping[str, Any], g: Mapping[str, Any]) -> bool:
+    """Does a replica's own report say it leads group record `g`'s term, ready?"""
+    return rep.get("role") == "leader" and rep.get("term") == g.get("term") and bool(rep.get("ready"))
+
+
+def _not_leading_why(rep: Mapping[str, Any], g: Mapping[str, Any]) -> str:
+    term, role = rep.get("term"), rep.get("role")
+    if role != "leader":
+        return f"meta names it leader of term {g.get('term')}, but it reports role {role} in term {term}"
+    if term != g.get("term"):
+        return f"its last report is of term {term}, not the group's term {g.get('term')}"
+    return f"leads term {term} but reports it has not finished its start-of-term round"
+
+
 def has_reports(st: Mapping[str, Any]) -> bool:
     """Only the meta leader's view carries heartbeat reports (and `live`)."""
     return any("report" in w for w in (st.get("workers") or {}).values())
@@ -188,6 +205,11 @@ def replica_health(st: Mapping[str, Any], gid: int, g: Mapping[str, Any],
             state, why = "closed", "not opened"
         elif rep.get("resyncing"):
             state, why = "resyncing", "lost its log; catching up from a peer, neither votes nor leads"
+        elif role == "leader" and not _leads(rep, g):
+            # Meta names it, but its own report does not say it leads this term ready: a
+            # leader that restarted holds the term as a follower (meta/controller.py
+            # restarted_leader) and will never lead it; writes to the group fail meanwhile.
+            state, why = "not-leading", _not_leading_why(rep, g)
         elif role == "leader" and rep.get("quorum") is False:
             state, why = "no-quorum", (f"no round trip with a majority of its voters for "
                                        f"{rep.get('no_quorum_ms') or 0} ms: refuses writes")
@@ -220,12 +242,16 @@ def _group_reasons(st: Mapping[str, Any], gid: int, g: Mapping[str, Any], op: Ma
         serving = [r for r in rows if r.role != "learner" and r.serving]
         need = _majority(len(voters))
         lead = next((r for r in rows if r.role == "leader"), None)
-        if lead is not None and lead.state in ("down", "no-quorum", "unknown"):
+        # The group serves only through its leader: a leader that cannot serve (any state
+        # but ok/lagging, including one whose own report does not say it leads) is red,
+        # however many voters are fine.
+        lead_red = lead is not None and not lead.serving
+        if lead is not None and lead_red:
             add(Verdict.RED, f"leader-{lead.state}", f"leader {lead.worker} {lead.state}: {lead.why}", lead.worker)
         elif len(serving) < need:
             add(Verdict.RED, "no-quorum", f"{len(serving)} of {len(voters)} voters can serve; a quorum needs {need}")
         for r in rows:
-            if r is lead and lead.state in ("down", "no-quorum", "unknown"):
+            if r is lead and lead_red:
                 continue
             if r.role == "learner":
                 add(Verdict.YELLOW, "learner", f"learner {r.worker} catching up"

@@ -103,11 +103,13 @@ def test_a_leader_that_reports_it_lost_its_quorum_is_red() -> None:
     assert kinds(st)[0] == ("red", "group 0", "leader-no-quorum", "w1")
 
 
-def test_a_group_its_leader_has_not_reported_is_not_green() -> None:
+def test_a_group_its_leader_has_not_reported_is_red_and_a_voter_not_reporting_yellow() -> None:
     st = healthy()
     del st["workers"]["w1"]["report"]["groups"]["1"]
-    assert assess(st).verdict is Verdict.YELLOW
-    assert kinds(st) == [("yellow", "group 1", "replica-missing", "w1")]
+    assert kinds(st) == [("red", "group 1", "leader-missing", "w1")]
+    st = healthy()
+    del st["workers"]["w2"]["report"]["groups"]["1"]
+    assert kinds(st) == [("yellow", "group 1", "replica-missing", "w2")]
     # A worker live but without any report yet: every replica on it is "silent".
     st = healthy(groups=1)
     st["workers"]["w3"]["report"] = None
@@ -116,11 +118,45 @@ def test_a_group_its_leader_has_not_reported_is_not_green() -> None:
 
 def test_a_stale_leader_report_does_not_speak_for_the_group() -> None:
     st = healthy(groups=1)
-    # w1 still reports term 3 while meta moved the group to term 4 under w1: its unheard list is old news.
+    # w1 still reports term 3 while meta moved the group to term 4 under w1: its unheard list is old news,
+    # and nothing says w1 leads term 4 yet (until its next report does).
     st["groups"]["0"].update(term=4, ready_term=4)
     st["workers"]["w1"]["report"]["groups"]["0"]["unheard"] = ["w2"]
     h = assess(st)
-    assert all(r.behind is None for r in h.replicas) and h.verdict is Verdict.GREEN
+    assert all(r.behind is None for r in h.replicas)
+    assert kinds(st) == [("red", "group 0", "leader-not-leading", "w1")]
+    assert "its last report is of term 3, not the group's term 4" in h.reasons[0].why
+    st["workers"]["w1"]["report"]["groups"]["0"] = rep("leader", term=4)
+    assert assess(st).verdict is Verdict.GREEN
+
+
+@pytest.mark.parametrize("report, state", [
+    ({"state": "failed", "failed": "OSError: disk error on the WAL"}, "failed"),
+    ({"state": "closed"}, "closed"),
+    ({"state": "corrupt", "error": "wal record 17: bad checksum"}, "corrupt"),
+    (rep("leader", resyncing=True), "resyncing"),
+    (None, "missing"),
+    # The leader restarted: it holds the group's term as a follower and will never lead it
+    # (meta/controller.py restarted_leader); meta has not moved the leadership yet.
+    (rep("follower", ready=False), "not-leading"),
+    (rep("leader", ready=False), "not-leading"),
+])
+def test_a_leader_that_cannot_serve_is_red_whatever_its_voters_do(report: dict[str, Any] | None,
+                                                                   state: str) -> None:
+    st = healthy(groups=1)
+    if report is None:
+        del st["workers"]["w1"]["report"]["groups"]["0"]
+    else:
+        st["workers"]["w1"]["report"]["groups"]["0"] = report
+    assert kinds(st) == [("red", "group 0", f"leader-{state}", "w1")]
+    lead = assess(st).replicas[0]
+    assert (lead.worker, lead.role, lead.state, lead.serving) == ("w1", "leader", state, False)
+
+
+def test_a_silent_leader_is_red() -> None:
+    st = healthy(groups=1)
+    st["workers"]["w1"]["report"] = None  # live, but no report of its groups yet
+    assert kinds(st) == [("red", "group 0", "leader-silent", "w1")]
 
 
 def test_a_voter_missing_from_the_group_is_under_replicated_yellow() -> None:
