@@ -291,28 +291,35 @@ def _meta_reasons(st: Mapping[str, Any]) -> list[Reason]:
     return out
 
 
-def _software(rec: Mapping[str, Any]) -> str:
+def software(rec: Mapping[str, Any]) -> str:
+    """`version (digest prefix)` of a worker or gateway record: two processes that claim one
+    version but run other code differ here. `?` for a version not said, `-` when neither is."""
     version, digest = rec.get("version") or "", rec.get("code_digest") or ""
-    return f"{version or '?'} ({digest[:8]})" if digest else (version or "?")
+    return f"{version or '?'} ({digest[:8]})" if digest else (version or "-")
+
+
+def _in_service(w: Mapping[str, Any]) -> bool:
+    """A worker whose build counts: not removed, not revoked."""
+    return w.get("state") != "removed" and w.get("admission", "admitted") == "admitted"
 
 
 def software_warnings(st: Mapping[str, Any]) -> list[str]:
     """One line when the workers and gateways in service do not all run the same build."""
     builds: dict[str, list[str]] = {}
-    for wid, w in sorted((st.get("workers") or {}).items()):
-        if w.get("state") == "removed" or w.get("admission", "admitted") != "admitted":
-            continue
+    workers = {wid: w for wid, w in sorted((st.get("workers") or {}).items()) if _in_service(w)}
+    for wid, w in workers.items():
         if w.get("version") or w.get("code_digest"):
-            builds.setdefault(_software(w), []).append(wid)
+            builds.setdefault(software(w), []).append(wid)
     for gw in st.get("gateways") or ():
         if gw.get("version") or gw.get("code_digest"):
-            builds.setdefault(_software(gw), []).append(str(gw.get("id")))
+            builds.setdefault(software(gw), []).append(str(gw.get("id")))
     out = []
     if len(builds) > 1:
         parts = "; ".join(f"{b} on {','.join(who)}" for b, who in sorted(builds.items(), key=lambda kv: -len(kv[1])))
         out.append(f"mixed software: {parts} (expected during a rolling upgrade; finish it)")
     # Meta nodes report a version but no code digest: they are compared by version alone.
-    served = {w.get("version") for w in (st.get("workers") or {}).values() if w.get("version")}
+    # The same workers as above: a removed or revoked one's old version is not what is served.
+    served = {w.get("version") for w in workers.values() if w.get("version")}
     served |= {gw.get("version") for gw in st.get("gateways") or () if gw.get("version")}
     metas: dict[str, list[str]] = {}
     for node in st.get("meta_nodes") or ():

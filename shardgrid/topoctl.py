@@ -43,7 +43,7 @@ import yaml
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.common.auth import SecretFileError, read_secret
 from shardgrid.common.identity import code_digest, package_version
-from shardgrid.health import Health, Verdict, assess, progress_key, render_health
+from shardgrid.health import Health, Verdict, assess, progress_key, render_health, software
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.common.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.common.units import format_bytes
@@ -337,13 +337,13 @@ def render_status(st: dict[str, Any], health: Health | None = None) -> str:
         led_rates = [rates.get(gid) for gid in leads]
         rate = "?" if any(r is None for r in led_rates) else f"{sum(r for r in led_rates if r is not None):.0f}"
         lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {w.get('admission', 'admitted'):<9} "
-                     f"{live:<5} {hosted:>6} {len(leads):>5} {rate:>8}  {_software(w):<24} {', '.join(offered) or '-'}")
+                     f"{live:<5} {hosted:>6} {len(leads):>5} {rate:>8}  {software(w):<24} {', '.join(offered) or '-'}")
     lines.append("")
     if st.get("gateways"):
         lines.append(f"{'GATEWAY':<24} {'ADDR':<22} {'ADMISSION':<9} {'SEEN':>7}  VERSION")
         for g in st["gateways"]:
             seen = f"{g['last_seen_ms_ago'] / 1000:.0f}s ago"
-            lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {_software(g)}")
+            lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {software(g)}")
         lines.append("")
     if st.get("refusals"):
         lines.append("ADMISSION REFUSED (most recent last)")
@@ -386,12 +386,6 @@ def render_replicas(h: Health) -> list[str]:
         out.append(f"{r.group:<6} {r.worker:<10} {r.role:<8} {r.state:<10} {n(r.commit):>10} {n(r.applied):>10} "
                    f"{n(r.apply_lag):>9} {n(r.behind):>8}")
     return out
-
-
-def _software(rec: dict[str, Any]) -> str:
-    """`version (digest prefix)`: two processes that claim one version but run other code differ here."""
-    version, digest = rec.get("version") or "", rec.get("code_digest") or ""
-    return f"{version or '?'} ({digest[:8]})" if digest else (version or "-")
 
 
 def group_write_rates(st: dict[str, Any]) -> dict[str, float]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.health import HealthPolicy, Verdict, assess, progress_key, render_health, software_warnings
+from shardgrid.health import HealthPolicy, Verdict, assess, progress_key, render_health, software, software_warnings
 
 VOTERS = ["w1", "w2", "w3"]
 
@@ -328,3 +328,25 @@ def test_a_meta_node_on_another_version_is_a_warning() -> None:
     # A node that is down reports nothing to compare.
     st["meta_nodes"][0].update(up=False, version="0.1.0")
     assert all("m1" not in w for w in software_warnings(st))
+
+
+def test_a_removed_or_revoked_workers_version_does_not_make_meta_look_mixed() -> None:
+    st = healthy()
+    for node in st["meta_nodes"]:
+        node["version"] = "0.2.0"
+    for w in st["workers"].values():
+        w["version"] = "0.2.0"
+    assert software_warnings(st) == []
+    # Old workers out of service still carry the version they registered with: it is not served.
+    st["workers"]["w4"] = {"addr": "x", "zone": "a", "state": "removed", "version": "0.1.0", "live": False}
+    st["workers"]["w5"] = {"addr": "y", "zone": "a", "state": "active", "admission": "revoked", "version": "0.1.0"}
+    assert software_warnings(st) == []
+
+
+def test_one_rendering_of_a_build_for_the_verdict_and_the_table() -> None:
+    assert software({"version": "0.1.0", "code_digest": "0123456789abcdef"}) == "0.1.0 (01234567)"
+    assert software({"code_digest": "0123456789abcdef"}) == "? (01234567)"
+    assert software({"version": "0.1.0"}) == "0.1.0"
+    assert software({}) == "-"
+    from shardgrid import topoctl
+    assert not hasattr(topoctl, "_software")  # topoctl's table uses the same function
