@@ -125,7 +125,8 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _lease_ms(st: Mapping[str, Any]) -> int:
+def lease_ms(st: Mapping[str, Any]) -> int:
+    """The topology's lease_ms (the default before one is applied)."""
     settings = (st.get("topology") or {}).get("settings") or {}
     return int(settings.get("lease_ms") or DEFAULT_LEASE_MS)
 
@@ -165,7 +166,7 @@ def replica_health(st: Mapping[str, Any], gid: int, g: Mapping[str, Any],
                    policy: HealthPolicy = HealthPolicy()) -> list[ReplicaHealth]:
     """Every voter and learner of group `gid` (record `g` of the view), leader first."""
     workers = st.get("workers") or {}
-    lease = _lease_ms(st)
+    lease = lease_ms(st)
     leader = g.get("leader")
     lrep = _report(workers.get(leader), gid) if leader else None
     # A leader's report speaks for the group only while it still leads this term.
