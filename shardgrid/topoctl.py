@@ -309,9 +309,14 @@ async def gather_status(client: MetaClient, deadline_s: float | None = None) -> 
     async def one(node: dict[str, str]) -> dict[str, Any]:
         try:
             st = await client.status(node["http"], timeout_s=node_s)
+            # has_quorum and peers: the node's own Raft view (connected to a majority; to
+            # whom), which the health verdict prefers over what this host can reach.
+            peers = st.get("peers") if isinstance(st.get("peers"), dict) else {}
             return {"id": node["id"], "http": node["http"], "up": True, "role": st["role"], "leader": st["leader"],
                     "revision": st["revision"], "raft_term": st["raft_term"], "refusals": st.get("refusals", []),
-                    "version": st.get("version")}
+                    "version": st.get("version"), "has_quorum": st.get("has_quorum"),
+                    "peers": {pid: {"connected": p.get("connected")} for pid, p in peers.items()
+                              if isinstance(p, dict)}}
         except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
         except Exception as exc:  # noqa: BLE001 - aiohttp raises a family of errors; any means "down"

@@ -215,7 +215,8 @@ class _TimedMeta:
 
     async def status(self, http: str, timeout_s: float = 2.0) -> dict:
         self.status_timeouts.append(timeout_s)
-        return {"role": "follower", "leader": "m1", "revision": 9, "raft_term": 2}
+        return {"role": "follower", "leader": "m1", "revision": 9, "raft_term": 2, "has_quorum": True,
+                "peers": {"m1": {"raft": "h1:7201", "http": "h1:7101", "connected": True}}}
 
 
 async def test_gather_status_spends_no_more_than_the_time_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,7 +225,9 @@ async def test_gather_status_spends_no_more_than_the_time_it_is_given(monkeypatc
 
     meta = _TimedMeta([1.0, 1.2])
     monkeypatch.setattr(topoctl, "time", SimpleNamespace(monotonic=lambda: meta.t))
-    await gather_status(meta, deadline_s=2.5)  # type: ignore[arg-type]
+    st = await gather_status(meta, deadline_s=2.5)  # type: ignore[arg-type]
+    # Each node's own Raft view goes into meta_nodes, for the verdict's meta rules.
+    assert st["meta_nodes"][0]["has_quorum"] is True and st["meta_nodes"][0]["peers"] == {"m1": {"connected": True}}
     # The re-ask at the leader gets what is left (1.5 s, not its own 3 s), and each node's
     # /v1/status what is left after that (0.3 s, not its own 2 s).
     assert meta.cluster_deadlines == [2.5, pytest.approx(1.5)] and meta.preferred == ["h1:7101"]
