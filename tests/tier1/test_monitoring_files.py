@@ -131,6 +131,43 @@ def test_promtool_accepts_the_alert_rules() -> None:
     assert f"SUCCESS: {len(_alert_rules())} rules found" in done.stdout
 
 
+CI_RUN = ROOT / ".ci" / "run"
+
+
+def _ci_promtool_step(tmp_path: Path, apt_updated: str | None, update_code: int) -> tuple[int, str, list[str]]:
+    """.ci/run's optional promtool step, run alone under its `set -euo pipefail` with a
+    stub apt-get (its update exits `update_code`, its download finds nothing) and no
+    promtool on PATH. Returns the exit code, stderr and the apt-get calls."""
+    text = CI_RUN.read_text()
+    step = text[text.index("# `promtool check rules`"):text.index("# Everything the suite starts is reaped")]
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    (stubs / "apt-get").write_text(f'#!/bin/sh\necho "$1" >> {calls}\n[ "$1" = update ] && exit {update_code}\n'
+                                   'echo "E: Unable to locate package prometheus" >&2; exit 100\n')
+    (stubs / "apt-get").chmod(0o755)
+    for tool in ("mktemp", "rm"):  # the step's only other commands; PATH holds nothing else
+        found = shutil.which(tool)
+        assert found is not None
+        (stubs / tool).symlink_to(found)
+    prelude = "set -euo pipefail\n" + (f"APT_UPDATED={apt_updated}\n" if apt_updated is not None else "")
+    done = subprocess.run(["/bin/bash", "-c", prelude + step + "echo reached the test run\n"],
+                          env={"PATH": str(stubs)}, capture_output=True, text=True, timeout=30)
+    assert "reached the test run" in done.stdout or done.returncode != 0
+    return done.returncode, done.stderr, calls.read_text().split() if calls.exists() else []
+
+
+def test_ci_promtool_step_is_optional_even_when_apt_get_update_fails(tmp_path: Path) -> None:
+    code, err, calls = _ci_promtool_step(tmp_path, "0", update_code=100)
+    assert code == 0, err  # CI goes on to the tests
+    assert calls == ["update"] and "promtool not installed" in err
+
+
+def test_ci_promtool_step_does_not_update_twice(tmp_path: Path) -> None:
+    code, err, calls = _ci_promtool_step(tmp_path, "1", update_code=0)
+    assert code == 0 and calls == ["download"]  # the first block's update serves this step too
+
+
 # Names the runbook mentions only to say what replaced them.
 RETIRED = {"shardgrid_group_write_latency_p99_ms", "shardgrid_group_leader_silence_ms"}
 
