@@ -228,3 +228,11 @@ async def test_every_metric_the_runbook_names_is_exported(exported: set[str], hi
     assert len(named) > 30
     unknown = {name: sorted(docs) for name, docs in named.items() if name not in exported | histograms | RETIRED}
     assert unknown == {}
+
+
+def test_the_runbook_says_the_write_latency_histogram_misses_timed_out_calls() -> None:
+    # worker/group.py observes a call only once it acknowledged a write: a group that stops
+    # committing shows no tail in the histogram, and an operator reading only it would miss that.
+    row = next(line for line in OPERATIONS.read_text().splitlines()
+               if line.startswith("| `shardgrid_group_write_latency_seconds`"))
+    assert "finished calls only" in row and "error counters" in row
