@@ -271,6 +271,9 @@ class MetaServer:
                             for g in sorted(self.gateways.values(), key=lambda g: g["id"])]
         if self.soft is not None and self.raft.is_leader():
             now, lease = _now_ms(), self._lease_ms()
+            # How long this node has led: in its first lease a worker it has not heard
+            # yet is unknown, not down (health.py). A new field: older readers ignore it.
+            view["meta_leader_for_ms"] = now - self.soft.leader_since_ms
             for wid, w in view["workers"].items():
                 seen = self.soft.workers.get(wid)
                 w["live"] = heard_live(self.soft, wid, now, lease)

@@ -5,17 +5,22 @@ from the meta leader, plus `meta_nodes` from `gather_status`); it does no
 I/O, reads no clock, and returns the same answer for the same input, so
 every rule is tested on hand-built dicts (tests/tier1/test_health.py).
 
-- red: some request cannot be served. Meta has no leader or has lost its
-  majority; no topology is applied; a group has no leader, a leader that has
-  not finished its start-of-term round, a leader that is down or leads
-  without a quorum, or fewer voters able to serve than a quorum needs.
+- red: some request cannot be served. Meta has no leader, its leader
+  reports no quorum, or its leader does not answer from here; no topology is applied; a group has no leader, a leader that has
+  not finished its start-of-term round, a leader that cannot serve (down,
+  silent, failed, corrupt, re-syncing, not reporting the group, leading
+  without a quorum, or whose own report does not say it leads the group's
+  term, ready), or fewer voters able to serve than a quorum needs.
 - yellow: everything is served, but with less margin than it should have.
   A group has fewer voters than its replication factor, a learner catching
   up, a placement change (operator) in progress, or a voter that is down,
   failed, corrupt, re-syncing, cut off from its leader, unheard by it or
-  lagging; a meta node does not answer; or the replicas' health is unknown
-  (the view did not come from the meta leader, which alone holds the
-  workers' heartbeat reports: "unknown" is never "healthy").
+  lagging; a meta node is down (by the meta leader's own Raft view) or
+  unreachable from here; a replica the meta leader has not heard yet in its
+  first lease (right after a meta failover: unknown, not down); or the
+  replicas' health is unknown (the view did not come from the meta leader,
+  which alone holds the workers' heartbeat reports: "unknown" is never
+  "healthy").
 - green: none of the above.
 
 Mixed software versions are a warning, not a verdict: a rolling upgrade
@@ -84,7 +89,8 @@ class ReplicaHealth:
     group: int
     worker: str
     role: str  # leader, voter, learner
-    # ok, lagging, down, silent, missing, closed, corrupt, failed, resyncing, no-quorum, cut-off, unheard, unknown
+    # ok, lagging, down, unconfirmed, silent, missing, closed, corrupt, failed, resyncing, not-leading, no-quorum,
+    # cut-off, unheard, unknown
     state: str
     why: str
     commit: int | None = None
@@ -122,7 +128,8 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _lease_ms(st: Mapping[str, Any]) -> int:
+def lease_ms(st: Mapping[str, Any]) -> int:
+    """The topology's lease_ms (the default before one is applied)."""
     settings = (st.get("topology") or {}).get("settings") or {}
     return int(settings.get("lease_ms") or DEFAULT_LEASE_MS)
 
@@ -139,6 +146,31 @@ def _report(w: Mapping[str, Any] | None, gid: int) -> dict[str, Any] | None:
     return rep if isinstance(rep, dict) else None
 
 
+def _not_heard_yet(st: Mapping[str, Any], w: Mapping[str, Any]) -> bool:
+    """A worker the meta leader has not heard since it took over, within that leader's
+    first lease: right after a meta failover every worker reads so for up to one report
+    period while the cluster serves on. A view without `meta_leader_for_ms` (an older
+    meta) cannot say how long ago that was: unknown too."""
+    if _int(w.get("last_seen_ms_ago")) is not None:
+        return False
+    led = _int(st.get("meta_leader_for_ms"))
+    return led is None or led < lease_ms(st)
+
+
+def _leads(rep: Mapping[str, Any], g: Mapping[str, Any]) -> bool:
+    """Does a replica's own report say it leads group record `g`'s term, ready?"""
+    return rep.get("role") == "leader" and rep.get("term") == g.get("term") and bool(rep.get("ready"))
+
+
+def _not_leading_why(rep: Mapping[str, Any], g: Mapping[str, Any]) -> str:
+    term, role = rep.get("term"), rep.get("role")
+    if role != "leader":
+        return f"meta names it leader of term {g.get('term')}, but it reports role {role} in term {term}"
+    if term != g.get("term"):
+        return f"its last report is of term {term}, not the group's term {g.get('term')}"
+    return f"leads term {term} but reports it has not finished its start-of-term round"
+
+
 def has_reports(st: Mapping[str, Any]) -> bool:
     """Only the meta leader's view carries heartbeat reports (and `live`)."""
     return any("report" in w for w in (st.get("workers") or {}).values())
@@ -148,7 +180,7 @@ def replica_health(st: Mapping[str, Any], gid: int, g: Mapping[str, Any],
                    policy: HealthPolicy = HealthPolicy()) -> list[ReplicaHealth]:
     """Every voter and learner of group `gid` (record `g` of the view), leader first."""
     workers = st.get("workers") or {}
-    lease = _lease_ms(st)
+    lease = lease_ms(st)
     leader = g.get("leader")
     lrep = _report(workers.get(leader), gid) if leader else None
     # A leader's report speaks for the group only while it still leads this term.
@@ -171,6 +203,12 @@ def replica_health(st: Mapping[str, Any], gid: int, g: Mapping[str, Any],
         state, why = "ok", ""
         if w is None:
             state, why = "unknown", "not a worker meta knows"
+        elif w.get("live") is False and _not_heard_yet(st, w):
+            led = _int(st.get("meta_leader_for_ms"))
+            state, why = "unconfirmed", ("no heartbeat heard yet by the meta leader, which took over "
+                                         + (f"{led} ms ago (within its first {lease} ms lease)" if led is not None
+                                            else "recently (this meta does not say when)")
+                                         + ": unknown, not down")
         elif w.get("live") is False:
             ago = _int(w.get("last_seen_ms_ago"))
             state, why = "down", (f"no heartbeat within the {lease} ms lease"
@@ -188,6 +226,11 @@ def replica_health(st: Mapping[str, Any], gid: int, g: Mapping[str, Any],
             state, why = "closed", "not opened"
         elif rep.get("resyncing"):
             state, why = "resyncing", "lost its log; catching up from a peer, neither votes nor leads"
+        elif role == "leader" and not _leads(rep, g):
+            # Meta names it, but its own report does not say it leads this term ready: a
+            # leader that restarted holds the term as a follower (meta/controller.py
+            # restarted_leader) and will never lead it; writes to the group fail meanwhile.
+            state, why = "not-leading", _not_leading_why(rep, g)
         elif role == "leader" and rep.get("quorum") is False:
             state, why = "no-quorum", (f"no round trip with a majority of its voters for "
                                        f"{rep.get('no_quorum_ms') or 0} ms: refuses writes")
@@ -220,18 +263,25 @@ def _group_reasons(st: Mapping[str, Any], gid: int, g: Mapping[str, Any], op: Ma
         serving = [r for r in rows if r.role != "learner" and r.serving]
         need = _majority(len(voters))
         lead = next((r for r in rows if r.role == "leader"), None)
-        if lead is not None and lead.state in ("down", "no-quorum", "unknown"):
+        # The group serves only through its leader: a leader that cannot serve (any state
+        # but ok/lagging, including one whose own report does not say it leads) is red,
+        # however many voters are fine.
+        # Unconfirmed (not heard yet by a new meta leader) is unknown: neither red nor serving.
+        lead_red = lead is not None and not lead.serving and lead.state != "unconfirmed"
+        unknown = [r for r in rows if r.role != "learner" and r.state == "unconfirmed"]
+        if lead is not None and lead_red:
             add(Verdict.RED, f"leader-{lead.state}", f"leader {lead.worker} {lead.state}: {lead.why}", lead.worker)
-        elif len(serving) < need:
+        elif len(serving) + len(unknown) < need:
             add(Verdict.RED, "no-quorum", f"{len(serving)} of {len(voters)} voters can serve; a quorum needs {need}")
         for r in rows:
-            if r is lead and lead.state in ("down", "no-quorum", "unknown"):
+            if r is lead and lead_red:
                 continue
             if r.role == "learner":
                 add(Verdict.YELLOW, "learner", f"learner {r.worker} catching up"
                                     + (f" ({r.state}: {r.why})" if r.state != "ok" else ""), r.worker)
             elif r.state != "ok":
-                add(Verdict.YELLOW, f"replica-{r.state}", f"{r.role} {r.worker} {r.state}: {r.why}", r.worker)
+                kind = "leader-unconfirmed" if r is lead and r.state == "unconfirmed" else f"replica-{r.state}"
+                add(Verdict.YELLOW, kind, f"{r.role} {r.worker} {r.state}: {r.why}", r.worker)
     else:
         for wid in learners:
             add(Verdict.YELLOW, "learner", f"learner {wid} catching up", wid)
@@ -247,46 +297,93 @@ def _group_reasons(st: Mapping[str, Any], gid: int, g: Mapping[str, Any], op: Ma
 
 
 def _meta_reasons(st: Mapping[str, Any]) -> list[Reason]:
+    """Meta's verdict, from meta's own Raft view where it has one: this host failing to
+    reach a meta node says little about meta (a firewall, a route), while the meta
+    leader's `has_quorum` and `peers` say whether meta itself holds a majority."""
     out: list[Reason] = []
     nodes = list(st.get("meta_nodes") or ())
-    up = [n for n in nodes if n.get("up")]
-    down = sorted(str(n.get("id")) for n in nodes if not n.get("up"))
-    if not st.get("meta_leader"):
+    n = len(nodes)
+    up = [x for x in nodes if x.get("up")]
+    down = sorted(str(x.get("id")) for x in nodes if not x.get("up"))
+    leader_id = st.get("meta_leader")
+    lnode = next((x for x in nodes if x.get("id") == leader_id), None)
+    if not leader_id:
         out.append(Reason(Verdict.RED, "meta", "meta-no-leader",
                           "no leader: no failover, placement change or registration can happen"))
-    elif nodes and len(up) < _majority(len(nodes)):
+        if down:
+            out.append(_down_from_here(down, up, n))
+        return out
+    if lnode is not None and not lnode.get("up"):
+        # The one node whose word on meta counts cannot be asked: nothing here says meta works.
+        out.append(Reason(Verdict.RED, "meta", "meta-leader-unreachable",
+                          f"the meta leader {leader_id} does not answer from here ({lnode.get('error') or 'no answer'});"
+                          f" {len(up)} of {n} nodes answer"))
+        others = [d for d in down if d != leader_id]
+        if others:
+            out.append(Reason(Verdict.YELLOW, "meta", "meta-node-unreachable",
+                              f"{','.join(others)} unreachable from here too"))
+        return out
+    quorum = (lnode or {}).get("has_quorum")
+    if not isinstance(quorum, bool):
+        # No Raft view of the leader's to go by: what this host reaches is all there is.
+        if down:
+            out.append(_down_from_here(down, up, n))
+        return out
+    peers = (lnode or {}).get("peers") or {}
+    connected = 1 + sum(1 for x in nodes if x.get("id") != leader_id and (peers.get(x.get("id")) or {}).get("connected"))
+    if not quorum:
         out.append(Reason(Verdict.RED, "meta", "meta-no-majority",
-                          f"only {len(up)} of {len(nodes)} nodes answer ({','.join(down)} down): a majority is needed"))
-    if down and len(up) >= _majority(len(nodes)):
-        spare = len(up) - _majority(len(nodes))
+                          f"the meta leader {leader_id} reports no quorum: connected to {connected} of {n} nodes "
+                          "(itself included): a majority is needed"))
+    lost = sorted(d for d in down if not (peers.get(d) or {}).get("connected"))
+    hidden = sorted(d for d in down if (peers.get(d) or {}).get("connected"))
+    if lost and quorum:
+        spare = connected - _majority(n)
         out.append(Reason(Verdict.YELLOW, "meta", "meta-node-down",
-                          f"{','.join(down)} not answering; {len(up)} of {len(nodes)} up "
-                          f"(losing {spare + 1} more stops meta)"))
+                          f"{','.join(lost)} not answering, nor connected to the meta leader {leader_id}; {connected} "
+                          f"of {n} connected (losing {spare + 1} more stops meta)"))
+    if hidden:
+        out.append(Reason(Verdict.YELLOW, "meta", "meta-node-unreachable",
+                          f"{','.join(hidden)} unreachable from here, though connected to the meta leader {leader_id}"))
     return out
 
 
-def _software(rec: Mapping[str, Any]) -> str:
+def _down_from_here(down: list[str], up: list[Mapping[str, Any]], n: int) -> Reason:
+    spare = len(up) - _majority(n)
+    tail = f" (losing {spare + 1} more stops meta)" if spare >= 0 else " (meta's own view of them is not known here)"
+    return Reason(Verdict.YELLOW, "meta", "meta-node-unreachable",
+                  f"{','.join(down)} unreachable from here; {len(up)} of {n} answer{tail}")
+
+
+def software(rec: Mapping[str, Any]) -> str:
+    """`version (digest prefix)` of a worker or gateway record: two processes that claim one
+    version but run other code differ here. `?` for a version not said, `-` when neither is."""
     version, digest = rec.get("version") or "", rec.get("code_digest") or ""
-    return f"{version or '?'} ({digest[:8]})" if digest else (version or "?")
+    return f"{version or '?'} ({digest[:8]})" if digest else (version or "-")
+
+
+def _in_service(w: Mapping[str, Any]) -> bool:
+    """A worker whose build counts: not removed, not revoked."""
+    return w.get("state") != "removed" and w.get("admission", "admitted") == "admitted"
 
 
 def software_warnings(st: Mapping[str, Any]) -> list[str]:
     """One line when the workers and gateways in service do not all run the same build."""
     builds: dict[str, list[str]] = {}
-    for wid, w in sorted((st.get("workers") or {}).items()):
-        if w.get("state") == "removed" or w.get("admission", "admitted") != "admitted":
-            continue
+    workers = {wid: w for wid, w in sorted((st.get("workers") or {}).items()) if _in_service(w)}
+    for wid, w in workers.items():
         if w.get("version") or w.get("code_digest"):
-            builds.setdefault(_software(w), []).append(wid)
+            builds.setdefault(software(w), []).append(wid)
     for gw in st.get("gateways") or ():
         if gw.get("version") or gw.get("code_digest"):
-            builds.setdefault(_software(gw), []).append(str(gw.get("id")))
+            builds.setdefault(software(gw), []).append(str(gw.get("id")))
     out = []
     if len(builds) > 1:
         parts = "; ".join(f"{b} on {','.join(who)}" for b, who in sorted(builds.items(), key=lambda kv: -len(kv[1])))
         out.append(f"mixed software: {parts} (expected during a rolling upgrade; finish it)")
     # Meta nodes report a version but no code digest: they are compared by version alone.
-    served = {w.get("version") for w in (st.get("workers") or {}).values() if w.get("version")}
+    # The same workers as above: a removed or revoked one's old version is not what is served.
+    served = {w.get("version") for w in workers.values() if w.get("version")}
     served |= {gw.get("version") for gw in st.get("gateways") or () if gw.get("version")}
     metas: dict[str, list[str]] = {}
     for node in st.get("meta_nodes") or ():
@@ -303,7 +400,8 @@ def _idle_down_warnings(st: Mapping[str, Any]) -> list[str]:
                                                                         *(g.get("learners") or ()))}
     return [f"worker {wid} is not live (it hosts no replica)"
             for wid, w in sorted((st.get("workers") or {}).items())
-            if w.get("live") is False and wid not in hosted and w.get("state") != "removed"]
+            if w.get("live") is False and wid not in hosted and w.get("state") != "removed"
+            and not _not_heard_yet(st, w)]
 
 
 def assess(st: Mapping[str, Any], policy: HealthPolicy = HealthPolicy()) -> Health:

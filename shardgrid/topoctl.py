@@ -22,10 +22,14 @@ Meta addresses come from --meta or SHARDGRID_META (comma-separated host:port).
 With --tls-ca or SHARDGRID_TLS_CA, host:port addresses are dialled over https
 and meta must present a certificate that CA signed for the address; an address
 given as http:// is then refused (exit 1), so the admin token never goes in clear.
+When a verb fails under json or yaml (meta unreachable, a rejection, a wait
+that gives up), that document is `{"error": {"code", "message", "exit", ...}}`.
 Exit codes: 0 ok, 1 rejected (invalid file, conflict, refused), 2 usage (argparse),
 3 no meta node answered, 4 applied or draining but not converged when the wait
-ended; `topoctl status`: 0 green, 5 yellow, 6 red (with --wait-for: 0 once
-reached, else the last verdict's code, or 3 if meta never answered).
+ended; `topoctl status`: 0 green, 5 yellow, 6 red. With --wait-for: 0 once the
+verdict has held over lease_ms plus one report period; at --timeout, 4 if it
+was reached but had not held that long, else the last verdict's code (the last
+answer's, when a later try failed), or 3 only when no try answered at all.
 """
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +49,7 @@ import yaml
 from meta.client import MetaClient, MetaError, MetaUnreachable
 from shardgrid.common.auth import SecretFileError, read_secret
 from shardgrid.common.identity import code_digest, package_version
-from shardgrid.health import Health, Verdict, assess, progress_key, render_health
+from shardgrid.health import Health, Verdict, assess, lease_ms, progress_key, render_health, software
 from shardgrid.drift import drift, render_apply_drift, render_drift
 from shardgrid.common.tls import CA_ENV, TlsConfigError, client_context
 from shardgrid.common.units import format_bytes
@@ -97,6 +103,15 @@ def dump(doc: Any, fmt: str) -> str:
     if fmt == "yaml":
         return yaml.safe_dump(plain(doc), sort_keys=False, allow_unicode=True).rstrip("\n")
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _error_doc(args: argparse.Namespace, code: int, error: str, message: str, **detail: Any) -> int:
+    """A verb that gives up, as -o json|yaml's one document on stdout (`{"error": {...}}`;
+    what it says went to stderr too), so a script parsing stdout always has one document.
+    Returns `code`."""
+    if _format(args) != "table":
+        _out(dump({"error": {"code": error, "message": message, "exit": code, **detail}}, _format(args)))
+    return code
 
 
 def _emit(args: argparse.Namespace, doc: Any, table: Callable[[], Sequence[str]]) -> None:
@@ -153,14 +168,15 @@ async def _apply(args: argparse.Namespace, say: Callable[[str], None], doc: dict
         raw = path.read_bytes()
     except OSError as exc:
         _err(f"topoctl: cannot read {path}: {exc.strerror}")
-        return EXIT_REJECTED
+        return _error_doc(args, EXIT_REJECTED, "unreadable", f"cannot read {path}: {exc.strerror}")
     try:
         topo = load_topology(raw)  # offline check first: errors even when meta is down
     except TopologyError as err:
         _err(f"topoctl: {path} is invalid; nothing was applied:")
         for e in err.errors:
             _err(f"  {e.path or '<root>'}: {e.message}")
-        return EXIT_REJECTED
+        return _error_doc(args, EXIT_REJECTED, "invalid", f"{path} is invalid; nothing was applied",
+                          errors=[{"path": e.path, "message": e.message} for e in err.errors])
     text = raw.decode("utf-8")
     async with _client(args) as client:
         preview = await client.put_topology(text, dry_run=True)
@@ -257,31 +273,50 @@ async def follow_convergence(client: MetaClient, wait_s: float, say: Callable[[s
 
 # -- status ----------------------------------------------------------------------
 
-async def leader_view(client: MetaClient) -> dict[str, Any]:
+LEADER_REASK_S = 3.0  # the most the second ask, at the meta leader itself, may take
+NODE_STATUS_S = 2.0  # the most one meta node's own /v1/status may take
+
+
+async def leader_view(client: MetaClient, deadline_s: float | None = None) -> dict[str, Any]:
     """The cluster view, from the meta leader when it answers: only it holds
-    the workers' heartbeat reports (liveness, replica health)."""
-    view = await client.cluster()
+    the workers' heartbeat reports (liveness, replica health). Both asks fit in
+    `deadline_s` (None: the client's own deadline for the first)."""
+    end = None if deadline_s is None else time.monotonic() + deadline_s
+    view = await client.cluster(deadline_s=deadline_s)
     nodes = view.get("meta", [])
     leader_http = next((n["http"] for n in nodes if n["id"] == view.get("meta_leader")), None)
     if leader_http and view.get("served_by") != view.get("meta_leader"):
-        client.prefer(leader_http)
-        try:
-            view = await client.cluster(deadline_s=3.0)
-        except (MetaUnreachable, MetaError):
-            pass  # the follower's view still answers everything else
+        left = LEADER_REASK_S if end is None else min(LEADER_REASK_S, end - time.monotonic())
+        if left > 0:
+            client.prefer(leader_http)
+            try:
+                view = await client.cluster(deadline_s=left)
+            except (MetaUnreachable, MetaError):
+                pass  # the follower's view still answers everything else
     return view
 
 
-async def gather_status(client: MetaClient) -> dict[str, Any]:
-    view = await leader_view(client)
+async def gather_status(client: MetaClient, deadline_s: float | None = None) -> dict[str, Any]:
+    """The meta leader's view, each meta node's own status (`meta_nodes`), refusals and drift,
+    all within `deadline_s` when given (--timeout must not overshoot by the asks it makes)."""
+    end = None if deadline_s is None else time.monotonic() + deadline_s
+    view = await leader_view(client, deadline_s)
     nodes = view.get("meta", [])
+    # The nodes are asked in parallel, each for at most NODE_STATUS_S and never past the end.
+    # A floor keeps a node from reading as down only because the view took the whole budget.
+    node_s = NODE_STATUS_S if end is None else max(0.05, min(NODE_STATUS_S, end - time.monotonic()))
 
     async def one(node: dict[str, str]) -> dict[str, Any]:
         try:
-            st = await client.status(node["http"])
+            st = await client.status(node["http"], timeout_s=node_s)
+            # has_quorum and peers: the node's own Raft view (connected to a majority; to
+            # whom), which the health verdict prefers over what this host can reach.
+            peers = st.get("peers") if isinstance(st.get("peers"), dict) else {}
             return {"id": node["id"], "http": node["http"], "up": True, "role": st["role"], "leader": st["leader"],
                     "revision": st["revision"], "raft_term": st["raft_term"], "refusals": st.get("refusals", []),
-                    "version": st.get("version")}
+                    "version": st.get("version"), "has_quorum": st.get("has_quorum"),
+                    "peers": {pid: {"connected": p.get("connected")} for pid, p in peers.items()
+                              if isinstance(p, dict)}}
         except (OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             return {"id": node["id"], "http": node["http"], "up": False, "error": type(exc).__name__}
         except Exception as exc:  # noqa: BLE001 - aiohttp raises a family of errors; any means "down"
@@ -337,13 +372,13 @@ def render_status(st: dict[str, Any], health: Health | None = None) -> str:
         led_rates = [rates.get(gid) for gid in leads]
         rate = "?" if any(r is None for r in led_rates) else f"{sum(r for r in led_rates if r is not None):.0f}"
         lines.append(f"{wid:<8} {w['addr']:<22} {w['zone']:<8} {w['state']:<10} {w.get('admission', 'admitted'):<9} "
-                     f"{live:<5} {hosted:>6} {len(leads):>5} {rate:>8}  {_software(w):<24} {', '.join(offered) or '-'}")
+                     f"{live:<5} {hosted:>6} {len(leads):>5} {rate:>8}  {software(w):<24} {', '.join(offered) or '-'}")
     lines.append("")
     if st.get("gateways"):
         lines.append(f"{'GATEWAY':<24} {'ADDR':<22} {'ADMISSION':<9} {'SEEN':>7}  VERSION")
         for g in st["gateways"]:
             seen = f"{g['last_seen_ms_ago'] / 1000:.0f}s ago"
-            lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {_software(g)}")
+            lines.append(f"{g['id']:<24} {g['addr']:<22} {g['admission']:<9} {seen:>7}  {software(g)}")
         lines.append("")
     if st.get("refusals"):
         lines.append("ADMISSION REFUSED (most recent last)")
@@ -386,12 +421,6 @@ def render_replicas(h: Health) -> list[str]:
         out.append(f"{r.group:<6} {r.worker:<10} {r.role:<8} {r.state:<10} {n(r.commit):>10} {n(r.applied):>10} "
                    f"{n(r.apply_lag):>9} {n(r.behind):>8}")
     return out
-
-
-def _software(rec: dict[str, Any]) -> str:
-    """`version (digest prefix)`: two processes that claim one version but run other code differ here."""
-    version, digest = rec.get("version") or "", rec.get("code_digest") or ""
-    return f"{version or '?'} ({digest[:8]})" if digest else (version or "-")
 
 
 def group_write_rates(st: dict[str, Any]) -> dict[str, float]:
@@ -446,57 +475,113 @@ async def cmd_status(args: argparse.Namespace) -> int:
     if getattr(args, "wait_for", None):
         return await wait_for_verdict(args, Verdict(args.wait_for))
     async with _client(args) as client:
-        st = await gather_status(client)
+        st = await gather_status(client, _meta_deadline(args))
     h = assess(st)
     _emit(args, status_doc(st, h), lambda: render_status(st, h).splitlines())
     return VERDICT_EXIT[h.verdict]
 
 
-async def wait_for_verdict(args: argparse.Namespace, wanted: Verdict) -> int:
-    """Poll until the verdict is `wanted` or better (0), saying the verdict and why
-    each time they change; at --timeout, the last verdict's exit code (3 if meta
-    never answered). Errors while asking meta are progress, not the end: meta
-    fails over too, and the caller asked to wait."""
+@dataclass(frozen=True)
+class Clock:
+    """Where `--wait-for` reads the time and sleeps: the system's, or a test's fake one."""
+
+    now: Callable[[], float]
+    sleep: Callable[[float], Awaitable[None]]
+
+
+def system_clock() -> Clock:
+    return Clock(time.monotonic, asyncio.sleep)
+
+
+def confirm_s(st: dict[str, Any]) -> float:
+    """How long a wanted verdict must hold before `--wait-for` believes it. A worker that
+    died still counts as live at meta for one lease (and meta serves its last report, up to
+    one report period, lease/5, old): a verdict seen over less than that may not have
+    noticed it yet."""
+    lease = lease_ms(st)
+    return (lease + lease / 5) / 1000.0
+
+
+async def wait_for_verdict(args: argparse.Namespace, wanted: Verdict, clock: Clock | None = None) -> int:
+    """Poll until the verdict is `wanted` or better on consecutive answers spanning more
+    than `confirm_s` (0), saying the verdict and why each time they change. At --timeout:
+    4 if the last verdict was good enough but had not held that long yet, else the last
+    verdict's exit code, or 3 if no try answered at all. Errors while asking meta are
+    progress, not the end: meta fails over too, and the caller asked to wait."""
+    clock = clock or system_clock()
     say = _progress(args)
-    loop = asyncio.get_running_loop()
     total = WAIT_FOR_DEFAULT_S if getattr(args, "timeout", None) is None else float(args.timeout)
-    start = loop.time()
+    start = clock.now()
     deadline = start + total
     shown: object = None
-    last: tuple[dict[str, Any], Health] | None = None
+    last: tuple[dict[str, Any], Health] | None = None  # the last answer, kept when a later try fails
+    last_failed = False
+    # When the answer that opened the current run of good-enough verdicts arrived (None: no run).
+    held_since: float | None = None
+
+    def stamp() -> str:
+        return f"[{clock.now() - start:.0f}s]"
+
     while True:
-        remaining = deadline - loop.time()
+        asked = clock.now()
+        remaining = deadline - asked
+        if remaining <= 0:
+            return _wait_ended(args, wanted, total, last, last_failed)
+        # Each round bounded by what is left, so the wait ends on time even with meta down.
+        budget = min(META_DEADLINE_S, remaining)
         try:
-            # Each round bounded by what is left, so the wait ends on time even with meta down.
-            async with _client(args, deadline_s=max(0.5, min(META_DEADLINE_S, remaining))) as client:
-                st = await gather_status(client)
+            async with _client(args, deadline_s=budget) as client:
+                st = await gather_status(client, budget)
+        except (MetaUnreachable, MetaError) as exc:
+            last_failed = True
+            held_since = None  # a gap: the verdict may have changed unseen
+            if shown != "unreachable":
+                shown = "unreachable"
+                say(f"{stamp()} meta did not answer: {exc}")
+        else:
+            answered = clock.now()
             h = assess(st)
-            last = (st, h)
-            if h.verdict.at_least(wanted):
-                _emit(args, status_doc(st, h), lambda: [f"[{loop.time() - start:.0f}s] {line}"
-                                                        for line in render_health(h)])
-                return 0
+            last, last_failed = (st, h), False
             if progress_key(h) != shown:
                 shown = progress_key(h)
                 for line in render_health(h):
-                    say(f"[{loop.time() - start:.0f}s] {line}")
-        except (MetaUnreachable, MetaError) as exc:
-            last = None
-            if shown != "unreachable":
-                shown = "unreachable"
-                say(f"[{loop.time() - start:.0f}s] meta did not answer: {exc}")
-        if loop.time() >= deadline:
-            if last is None:
-                _err(f"topoctl: not {wanted.value} after {total:.0f} s: no meta node answered at {args.meta}")
-                return EXIT_UNREACHABLE
-            st, h = last
-            if _format(args) != "table":
-                _out(dump(status_doc(st, h), _format(args)))
-            _err(f"topoctl: not {wanted.value} after {total:.0f} s; last verdict {h.verdict.value}:")
-            for line in render_health(h)[1:]:
-                _err(line)
-            return VERDICT_EXIT[h.verdict]
-        await asyncio.sleep(max(0.0, min(WAIT_FOR_POLL_S, deadline - loop.time())))
+                    say(f"{stamp()} {line}")
+            window = confirm_s(st)
+            if not h.verdict.at_least(wanted):
+                held_since = None
+            elif held_since is None:
+                held_since = answered
+                say(f"{stamp()} confirming: {h.verdict.value} must hold for {window:.1f} s (lease_ms and one "
+                    "report period: meta counts a worker that just died as live until then)")
+            elif asked - held_since > window:
+                # `asked` (before this answer) minus `answered` (after the first): the views
+                # are at least this far apart, whenever meta made them.
+                held = asked - held_since
+                _emit(args, status_doc(st, h), lambda: [f"{stamp()} {h.verdict.value} held for {held:.1f} s: done"])
+                return 0
+        await clock.sleep(max(0.0, min(WAIT_FOR_POLL_S, deadline - clock.now())))
+
+
+def _wait_ended(args: argparse.Namespace, wanted: Verdict, total: float,
+                last: tuple[dict[str, Any], Health] | None, last_failed: bool) -> int:
+    """`--wait-for` at its timeout: the exit code, the last verdict on stderr, and with
+    -o json|yaml the last status (or an error document) as stdout's one document."""
+    if last is None:
+        message = f"not {wanted.value} after {total:.0f} s: no meta node answered at {args.meta}"
+        _err(f"topoctl: {message}")
+        return _error_doc(args, EXIT_UNREACHABLE, "meta_unreachable", message)
+    st, h = last
+    if _format(args) != "table":
+        _out(dump(status_doc(st, h), _format(args)))
+    tail = " (meta did not answer the last try)" if last_failed else ""
+    if h.verdict.at_least(wanted):
+        _err(f"topoctl: {h.verdict.value} after {total:.0f} s, but it had not held for {confirm_s(st):.1f} s "
+             f"yet{tail}")
+        return EXIT_NOT_CONVERGED
+    _err(f"topoctl: not {wanted.value} after {total:.0f} s; last verdict {h.verdict.value}{tail}:")
+    for line in render_health(h)[1:]:
+        _err(line)
+    return VERDICT_EXIT[h.verdict]
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
@@ -555,8 +640,9 @@ async def cmd_replicas(args: argparse.Namespace) -> int:
                 say(line)
                 last = line
             if asyncio.get_running_loop().time() > deadline:
-                _err(f"topoctl: still in progress after {args.wait:.0f} s (see topoctl operators); not cancelled")
-                return EXIT_REJECTED
+                message = f"still in progress after {args.wait:.0f} s (see topoctl operators); not cancelled"
+                _err(f"topoctl: {message}")
+                return _error_doc(args, EXIT_REJECTED, "not_done", message, operator=cur)
             await asyncio.sleep(0.5)
 
 
@@ -605,8 +691,9 @@ async def cmd_drain(args: argparse.Namespace) -> int:
                                "eligible again)"])
                 return 0
             if w.get("state") != "draining":
-                _err(f"topoctl: {args.worker} is {w.get('state')} now, not draining (undrained meanwhile?)")
-                return EXIT_REJECTED
+                message = f"{args.worker} is {w.get('state')} now, not draining (undrained meanwhile?)"
+                _err(f"topoctl: {message}")
+                return _error_doc(args, EXIT_REJECTED, "not_draining", message, state=w.get("state"))
             leads = sorted(int(g) for g, rec in view["groups"].items() if rec["leader"] == args.worker)
             hosts = sorted(int(g) for g, rec in view["groups"].items()
                            if args.worker in (*rec["voters"], *rec["learners"]))
@@ -622,8 +709,9 @@ async def cmd_drain(args: argparse.Namespace) -> int:
                     say(f"  group {g}: {ops[g]}")
             ops_shown = ops
             if loop.time() > deadline:
-                _err(f"topoctl: {args.worker} still draining after {args.wait:.0f} s (it goes on; topoctl operators)")
-                return EXIT_NOT_CONVERGED
+                message = f"{args.worker} still draining after {args.wait:.0f} s (it goes on; topoctl operators)"
+                _err(f"topoctl: {message}")
+                return _error_doc(args, EXIT_NOT_CONVERGED, "not_drained", message, leads=leads, hosts=hosts)
             await asyncio.sleep(POLL_S)
 
 
@@ -716,9 +804,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=cmd_apply)
     s = verb("status", "the verdict (green, yellow, red) and why; meta nodes, groups, replicas, workers")
     s.add_argument("--wait-for", choices=("green", "yellow"), default=None,
-                   help="poll until the verdict is this good or better (exit 0), printing it and why when they "
-                        "change; --timeout bounds the wait (default "
-                        f"{WAIT_FOR_DEFAULT_S:.0f} s), after which the exit code is the last verdict's")
+                   help="poll until the verdict is this good or better and has held over lease_ms plus one report "
+                        "period (exit 0), printing it and why when they change; --timeout bounds the wait (default "
+                        f"{WAIT_FOR_DEFAULT_S:.0f} s), after which the exit code is the last verdict's "
+                        f"({EXIT_NOT_CONVERGED} if reached but not held long enough; {EXIT_UNREACHABLE} if meta never "
+                        "answered)")
     s.set_defaults(func=cmd_status)
     g = verb("get", "print the applied topology YAML (-o json: as data)")
     g.set_defaults(func=cmd_get)
@@ -820,20 +910,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(asyncio.run(args.func(args)))
+    # A verb prints its document only once it has its answer, so none was printed before these.
     except MetaUnreachable as exc:
         _err(f"topoctl: no meta node answered at {args.meta}: {exc}")
         if args.tls_ca is None and "ServerDisconnected" in str(exc):
             # What plain http to an HTTPS listener looks like from here.
             _err(f"topoctl: if the cluster serves HTTPS, pass --tls-ca PEM (or {CA_ENV})")
-        return EXIT_UNREACHABLE
+        return _error_doc(args, EXIT_UNREACHABLE, "meta_unreachable", f"no meta node answered at {args.meta}: {exc}")
     except (SecretFileError, TlsConfigError) as exc:
         _err(f"topoctl: {exc}")
-        return EXIT_REJECTED
+        return _error_doc(args, EXIT_REJECTED, "config", str(exc))
     except MetaError as exc:
         _err(f"topoctl: {exc.code}: {exc.message}")
-        for e in exc.body.get("errors", []) if isinstance(exc.body, dict) else []:
+        errors = exc.body.get("errors", []) if isinstance(exc.body, dict) else []
+        for e in errors:
             _err(f"  {e.get('path') or '<root>'}: {e.get('message')}")
-        return EXIT_REJECTED
+        return _error_doc(args, EXIT_REJECTED, exc.code, exc.message, status=exc.status,
+                          **({"errors": errors} if errors else {}))
     except KeyboardInterrupt:
         return 130
 

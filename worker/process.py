@@ -386,7 +386,6 @@ class WorkerNode:
                                          lease_ms=int(s["lease_ms"])),
                            self.transport, self, self.log, self.pass_stats)
         shell.on_sync = self._wal_sync.observe
-        shell.on_write_latency = self._write_latency.labels(str(gid)).observe
         try:
             shell.open()
         except GroupCorrupt as exc:
@@ -403,6 +402,10 @@ class WorkerNode:
             shell.start()
             if name == "layers":
                 self._spawn(self._prebuild(gid, plugin))
+        # Bound only for a shell this worker keeps (a failed one is retried in place and
+        # serves again): labels() creates the series, and a replica found corrupt above
+        # would otherwise export an empty one forever (nothing removes it).
+        shell.on_write_latency = self._write_latency.labels(str(gid)).observe
         self.groups[gid] = shell
         return shell
 

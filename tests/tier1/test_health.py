@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from shardgrid.health import HealthPolicy, Verdict, assess, progress_key, render_health, software_warnings
+from shardgrid.health import HealthPolicy, Verdict, assess, progress_key, render_health, software, software_warnings
 
 VOTERS = ["w1", "w2", "w3"]
 
@@ -27,9 +27,11 @@ def healthy(groups: int = 2) -> dict[str, Any]:
     gids = [str(i) for i in range(groups)]
     return {
         "topology": {"cluster": "c1", "replication_factor": 3, "settings": {"lease_ms": 1500}, "models": []},
-        "revision": 9, "topology_revision": 1, "meta_leader": "m1", "served_by": "m1",
+        "revision": 9, "topology_revision": 1, "meta_leader": "m1", "served_by": "m1", "meta_leader_for_ms": 60000,
+        # Each node's own Raft view as /v1/status gives it: connected to a majority, and to whom.
         "meta_nodes": [{"id": f"m{i}", "http": f"127.0.0.1:710{i}", "up": True, "role": "leader" if i == 1 else
-                        "follower", "revision": 9} for i in (1, 2, 3)],
+                        "follower", "revision": 9, "has_quorum": True,
+                        "peers": {f"m{j}": {"connected": True} for j in (1, 2, 3) if j != i}} for i in (1, 2, 3)],
         "groups": {gid: {"id": int(gid), "term": 3, "leader": "w1", "ready": True, "ready_term": 3,
                          "preferred_leader": "w1", "voters": list(VOTERS), "learners": [],
                          "desired": list(VOTERS)} for gid in gids},
@@ -103,11 +105,13 @@ def test_a_leader_that_reports_it_lost_its_quorum_is_red() -> None:
     assert kinds(st)[0] == ("red", "group 0", "leader-no-quorum", "w1")
 
 
-def test_a_group_its_leader_has_not_reported_is_not_green() -> None:
+def test_a_group_its_leader_has_not_reported_is_red_and_a_voter_not_reporting_yellow() -> None:
     st = healthy()
     del st["workers"]["w1"]["report"]["groups"]["1"]
-    assert assess(st).verdict is Verdict.YELLOW
-    assert kinds(st) == [("yellow", "group 1", "replica-missing", "w1")]
+    assert kinds(st) == [("red", "group 1", "leader-missing", "w1")]
+    st = healthy()
+    del st["workers"]["w2"]["report"]["groups"]["1"]
+    assert kinds(st) == [("yellow", "group 1", "replica-missing", "w2")]
     # A worker live but without any report yet: every replica on it is "silent".
     st = healthy(groups=1)
     st["workers"]["w3"]["report"] = None
@@ -116,11 +120,45 @@ def test_a_group_its_leader_has_not_reported_is_not_green() -> None:
 
 def test_a_stale_leader_report_does_not_speak_for_the_group() -> None:
     st = healthy(groups=1)
-    # w1 still reports term 3 while meta moved the group to term 4 under w1: its unheard list is old news.
+    # w1 still reports term 3 while meta moved the group to term 4 under w1: its unheard list is old news,
+    # and nothing says w1 leads term 4 yet (until its next report does).
     st["groups"]["0"].update(term=4, ready_term=4)
     st["workers"]["w1"]["report"]["groups"]["0"]["unheard"] = ["w2"]
     h = assess(st)
-    assert all(r.behind is None for r in h.replicas) and h.verdict is Verdict.GREEN
+    assert all(r.behind is None for r in h.replicas)
+    assert kinds(st) == [("red", "group 0", "leader-not-leading", "w1")]
+    assert "its last report is of term 3, not the group's term 4" in h.reasons[0].why
+    st["workers"]["w1"]["report"]["groups"]["0"] = rep("leader", term=4)
+    assert assess(st).verdict is Verdict.GREEN
+
+
+@pytest.mark.parametrize("report, state", [
+    ({"state": "failed", "failed": "OSError: disk error on the WAL"}, "failed"),
+    ({"state": "closed"}, "closed"),
+    ({"state": "corrupt", "error": "wal record 17: bad checksum"}, "corrupt"),
+    (rep("leader", resyncing=True), "resyncing"),
+    (None, "missing"),
+    # The leader restarted: it holds the group's term as a follower and will never lead it
+    # (meta/controller.py restarted_leader); meta has not moved the leadership yet.
+    (rep("follower", ready=False), "not-leading"),
+    (rep("leader", ready=False), "not-leading"),
+])
+def test_a_leader_that_cannot_serve_is_red_whatever_its_voters_do(report: dict[str, Any] | None,
+                                                                   state: str) -> None:
+    st = healthy(groups=1)
+    if report is None:
+        del st["workers"]["w1"]["report"]["groups"]["0"]
+    else:
+        st["workers"]["w1"]["report"]["groups"]["0"] = report
+    assert kinds(st) == [("red", "group 0", f"leader-{state}", "w1")]
+    lead = assess(st).replicas[0]
+    assert (lead.worker, lead.role, lead.state, lead.serving) == ("w1", "leader", state, False)
+
+
+def test_a_silent_leader_is_red() -> None:
+    st = healthy(groups=1)
+    st["workers"]["w1"]["report"] = None  # live, but no report of its groups yet
+    assert kinds(st) == [("red", "group 0", "leader-silent", "w1")]
 
 
 def test_a_voter_missing_from_the_group_is_under_replicated_yellow() -> None:
@@ -187,16 +225,76 @@ def test_lag_is_measured_per_replica_and_only_beyond_the_policy_counts() -> None
     assert {r.worker for r in strict.replicas if r.state == "lagging"} == {"w2", "w3"}
 
 
+def _meta_node_lost(st: dict[str, Any], mid: str) -> None:
+    """Meta node `mid` is down: it answers nobody, and the leader m1 lost its connection to it."""
+    node = next(n for n in st["meta_nodes"] if n["id"] == mid)
+    node.clear()
+    node.update(id=mid, http="x", up=False, error="ClientConnectorError")
+    st["meta_nodes"][0]["peers"][mid]["connected"] = False
+
+
 def test_meta_without_a_leader_is_red_and_a_meta_node_down_yellow() -> None:
     st = healthy()
     st["meta_leader"] = None
     assert kinds(st) == [("red", "meta", "meta-no-leader", None)]
     st = healthy()
-    st["meta_nodes"][2].update(up=False, error="ClientConnectorError")
+    _meta_node_lost(st, "m3")
     assert kinds(st) == [("yellow", "meta", "meta-node-down", None)]
-    assert "m3 not answering; 2 of 3 up (losing 1 more stops meta)" in assess(st).reasons[0].why
-    st["meta_nodes"][1]["up"] = False
-    assert kinds(st) == [("red", "meta", "meta-no-majority", None)]
+    assert "m3 not answering, nor connected to the meta leader m1; 2 of 3 connected (losing 1 more stops meta)" \
+        in assess(st).reasons[0].why
+    _meta_node_lost(st, "m2")
+    st["meta_nodes"][0]["has_quorum"] = False
+    assert kinds(st)[0] == ("red", "meta", "meta-no-majority", None)
+    assert "the meta leader m1 reports no quorum: connected to 1 of 3" in assess(st).reasons[0].why
+
+
+def test_meta_is_judged_by_its_leaders_raft_view_not_by_what_this_host_reaches() -> None:
+    # m2 and m3 are firewalled from this host but connected to m1, which has its quorum: meta works.
+    st = healthy()
+    for node in st["meta_nodes"][1:]:
+        node.clear()
+        node.update(id=node.get("id") or "", up=False, error="TimeoutError")
+    st["meta_nodes"][1]["id"], st["meta_nodes"][2]["id"] = "m2", "m3"
+    assert kinds(st) == [("yellow", "meta", "meta-node-unreachable", None)]
+    assert "m2,m3 unreachable from here, though connected to the meta leader m1" in assess(st).reasons[0].why
+    # Without the leader's Raft view (an older meta), it is still only "unreachable from here".
+    del st["meta_nodes"][0]["has_quorum"]
+    assert kinds(st) == [("yellow", "meta", "meta-node-unreachable", None)]
+    assert "m2,m3 unreachable from here; 1 of 3 answer" in assess(st).reasons[0].why
+    # The leader itself unreachable from here: nothing says meta works.
+    st = healthy()
+    st["meta_nodes"][0].update(up=False, error="TimeoutError")
+    assert kinds(st) == [("red", "meta", "meta-leader-unreachable", None)]
+    assert "the meta leader m1 does not answer from here (TimeoutError); 2 of 3 nodes answer" in \
+        assess(st).reasons[0].why
+
+
+def test_right_after_a_meta_failover_unheard_workers_are_unknown_not_down() -> None:
+    st = healthy(groups=1)
+    st["meta_leader_for_ms"] = 300  # the new meta leader has heard nobody yet
+    for w in st["workers"].values():
+        w.update(live=False, last_seen_ms_ago=None)
+    h = assess(st)
+    assert h.verdict is Verdict.YELLOW
+    assert kinds(st) == [("yellow", "group 0", "leader-unconfirmed", "w1"),
+                         ("yellow", "group 0", "replica-unconfirmed", "w2"),
+                         ("yellow", "group 0", "replica-unconfirmed", "w3")]
+    assert "took over 300 ms ago (within its first 1500 ms lease): unknown, not down" in h.reasons[0].why
+    # Past its first lease, a worker it never heard is down: the leader's group is red.
+    st["meta_leader_for_ms"] = 1600
+    assert kinds(st)[0] == ("red", "group 0", "leader-down", "w1")
+    assert "(none since meta's leader started)" in assess(st).reasons[0].why
+    # Within the first lease, voters it did hear and found down still count: 1 known down,
+    # 2 unknown leaves a quorum possible (yellow); 2 known down do not (red).
+    st["meta_leader_for_ms"] = 300
+    st["workers"]["w2"]["last_seen_ms_ago"] = 2000
+    assert assess(st).verdict is Verdict.YELLOW
+    st["workers"]["w3"]["last_seen_ms_ago"] = 2000
+    assert ("red", "group 0", "no-quorum", None) in kinds(st)
+    # An older meta says nothing of when it took over: unknown, yellow.
+    del st["meta_leader_for_ms"]
+    st["workers"]["w3"]["last_seen_ms_ago"] = None
+    assert assess(st).verdict is Verdict.YELLOW
 
 
 def test_a_view_without_reports_is_at_best_yellow_but_still_sees_meta_records() -> None:
@@ -292,3 +390,25 @@ def test_a_meta_node_on_another_version_is_a_warning() -> None:
     # A node that is down reports nothing to compare.
     st["meta_nodes"][0].update(up=False, version="0.1.0")
     assert all("m1" not in w for w in software_warnings(st))
+
+
+def test_a_removed_or_revoked_workers_version_does_not_make_meta_look_mixed() -> None:
+    st = healthy()
+    for node in st["meta_nodes"]:
+        node["version"] = "0.2.0"
+    for w in st["workers"].values():
+        w["version"] = "0.2.0"
+    assert software_warnings(st) == []
+    # Old workers out of service still carry the version they registered with: it is not served.
+    st["workers"]["w4"] = {"addr": "x", "zone": "a", "state": "removed", "version": "0.1.0", "live": False}
+    st["workers"]["w5"] = {"addr": "y", "zone": "a", "state": "active", "admission": "revoked", "version": "0.1.0"}
+    assert software_warnings(st) == []
+
+
+def test_one_rendering_of_a_build_for_the_verdict_and_the_table() -> None:
+    assert software({"version": "0.1.0", "code_digest": "0123456789abcdef"}) == "0.1.0 (01234567)"
+    assert software({"code_digest": "0123456789abcdef"}) == "? (01234567)"
+    assert software({"version": "0.1.0"}) == "0.1.0"
+    assert software({}) == "-"
+    from shardgrid import topoctl
+    assert not hasattr(topoctl, "_software")  # topoctl's table uses the same function

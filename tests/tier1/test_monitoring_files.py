@@ -131,6 +131,91 @@ def test_promtool_accepts_the_alert_rules() -> None:
     assert f"SUCCESS: {len(_alert_rules())} rules found" in done.stdout
 
 
+def test_revision_alerts_compare_against_an_earlier_value() -> None:
+    # Two revisions scraped at different moments differ while meta commits (several times
+    # a second in a catch-up): comparing them as they are alerts on no lag at all.
+    rules = {rule["alert"]: " ".join(rule["expr"].split()) for rule in _alert_rules()}
+    for name, expr in rules.items():
+        if len(re.findall(r"_revision\b", expr)) > 1:
+            assert "offset" in expr, name
+
+
+def _promtool_case(series: dict[str, str], alerts: dict[str, str | None]) -> dict[str, Any]:
+    """A `promtool test rules` case: `series` (name{labels} -> values), and per alert the
+    $value it fires with at 8m (None: it must not fire)."""
+    by_name = {rule["alert"]: rule for rule in _alert_rules()}
+    tests = []
+    for name, value in alerts.items():
+        rule = by_name[name]
+        exp = [] if value is None else [{
+            "exp_labels": dict(rule["labels"]),
+            "exp_annotations": {k: v.replace("{{ $value }}", value) for k, v in rule["annotations"].items()}}]
+        tests.append({"eval_time": "8m", "alertname": name, "exp_alerts": exp})
+    return {"interval": "15s", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+            "alert_rule_test": tests}
+
+
+def test_promtool_revision_alerts_ignore_scrape_skew_and_catch_a_stuck_node(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    behind = ("ShardgridMetaNodeBehind", "ShardgridGatewayRoutingBehind")
+    cases = [
+        # Meta commits 10 revisions per 15 s scrape; m2 and the gateway are scraped a moment
+        # before m1, so they always read a few behind: in step, no alert.
+        _promtool_case({'shardgrid_meta_revision{instance="m1"}': "100+10x40",
+                        'shardgrid_meta_revision{instance="m2"}': "95+10x40",
+                        'shardgrid_gateway_routing_revision{instance="g1"}': "92+10x40"},
+                       {name: None for name in behind}),
+        # m3 and the gateway stopped following: both alerts fire.
+        _promtool_case({'shardgrid_meta_revision{instance="m1"}': "100+10x40",
+                        'shardgrid_meta_revision{instance="m3"}': "50x40",
+                        'shardgrid_gateway_routing_revision{instance="g1"}': "60x40"},
+                       {"ShardgridMetaNodeBehind": "50", "ShardgridGatewayRoutingBehind": "60"}),
+    ]
+    spec = tmp_path / "revision-alerts.test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(ALERTS)], "evaluation_interval": "15s", "tests": cases}))
+    done = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+CI_RUN = ROOT / ".ci" / "run"
+
+
+def _ci_promtool_step(tmp_path: Path, apt_updated: str | None, update_code: int) -> tuple[int, str, list[str]]:
+    """.ci/run's optional promtool step, run alone under its `set -euo pipefail` with a
+    stub apt-get (its update exits `update_code`, its download finds nothing) and no
+    promtool on PATH. Returns the exit code, stderr and the apt-get calls."""
+    text = CI_RUN.read_text()
+    step = text[text.index("# `promtool check rules`"):text.index("# Everything the suite starts is reaped")]
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    (stubs / "apt-get").write_text(f'#!/bin/sh\necho "$1" >> {calls}\n[ "$1" = update ] && exit {update_code}\n'
+                                   'echo "E: Unable to locate package prometheus" >&2; exit 100\n')
+    (stubs / "apt-get").chmod(0o755)
+    for tool in ("mktemp", "rm"):  # the step's only other commands; PATH holds nothing else
+        found = shutil.which(tool)
+        assert found is not None
+        (stubs / tool).symlink_to(found)
+    prelude = "set -euo pipefail\n" + (f"APT_UPDATED={apt_updated}\n" if apt_updated is not None else "")
+    done = subprocess.run(["/bin/bash", "-c", prelude + step + "echo reached the test run\n"],
+                          env={"PATH": str(stubs)}, capture_output=True, text=True, timeout=30)
+    assert "reached the test run" in done.stdout or done.returncode != 0
+    return done.returncode, done.stderr, calls.read_text().split() if calls.exists() else []
+
+
+def test_ci_promtool_step_is_optional_even_when_apt_get_update_fails(tmp_path: Path) -> None:
+    code, err, calls = _ci_promtool_step(tmp_path, "0", update_code=100)
+    assert code == 0, err  # CI goes on to the tests
+    assert calls == ["update"] and "promtool not installed" in err
+
+
+def test_ci_promtool_step_does_not_update_twice(tmp_path: Path) -> None:
+    code, err, calls = _ci_promtool_step(tmp_path, "1", update_code=0)
+    assert code == 0 and calls == ["download"]  # the first block's update serves this step too
+
+
 # Names the runbook mentions only to say what replaced them.
 RETIRED = {"shardgrid_group_write_latency_p99_ms", "shardgrid_group_leader_silence_ms"}
 
@@ -143,3 +228,11 @@ async def test_every_metric_the_runbook_names_is_exported(exported: set[str], hi
     assert len(named) > 30
     unknown = {name: sorted(docs) for name, docs in named.items() if name not in exported | histograms | RETIRED}
     assert unknown == {}
+
+
+def test_the_runbook_says_the_write_latency_histogram_misses_timed_out_calls() -> None:
+    # worker/group.py observes a call only once it acknowledged a write: a group that stops
+    # committing shows no tail in the histogram, and an operator reading only it would miss that.
+    row = next(line for line in OPERATIONS.read_text().splitlines()
+               if line.startswith("| `shardgrid_group_write_latency_seconds`"))
+    assert "finished calls only" in row and "error counters" in row

@@ -1,6 +1,8 @@
 """`topoctl status` rendering (the human view of meta's cluster state)."""
 from __future__ import annotations
 
+import pytest
+
 from shardgrid.topoctl import gather_status, render_status
 
 
@@ -181,10 +183,83 @@ async def test_status_json_carries_the_drift() -> None:
         async def cluster(self, deadline_s: float | None = None) -> dict:
             return st
 
-        async def status(self, http: str) -> dict:
+        async def status(self, http: str, timeout_s: float = 2.0) -> dict:
             return {"role": "leader", "leader": "m1", "revision": 9, "raft_term": 2}
 
     out = await gather_status(FakeMeta())  # type: ignore[arg-type]
     (d,) = out["drift"]
     assert d["group"] == 0 and d["voters"] == ("w1", "w2", "w4") and d["file_replicas"] == ("w1", "w2", "w3")
     assert d["line"].startswith("group 0: file w1,w2,w3; live w1,w2,w4 (w3 draining: drained onto w4")
+
+
+class _TimedMeta:
+    """A meta whose follower m2 answers first; each ask moves a fake monotonic clock on
+    by what it takes, and records the deadline or timeout topoctl gave it."""
+
+    def __init__(self, takes: list[float]) -> None:
+        self.t = 0.0
+        self.takes = takes
+        self.cluster_deadlines: list[float | None] = []
+        self.status_timeouts: list[float] = []
+        self.preferred: list[str] = []
+
+    def prefer(self, http: str) -> None:
+        self.preferred.append(http)
+
+    async def cluster(self, deadline_s: float | None = None) -> dict:
+        self.cluster_deadlines.append(deadline_s)
+        self.t += self.takes.pop(0)
+        return {"meta": [{"id": "m1", "http": "h1:7101"}, {"id": "m2", "http": "h2:7101"}, {"id": "m3", "http": "h3:7101"}],
+                "meta_leader": "m1", "served_by": "m2" if len(self.cluster_deadlines) == 1 else "m1",
+                "topology": None, "groups": {}, "workers": {}}
+
+    async def status(self, http: str, timeout_s: float = 2.0) -> dict:
+        self.status_timeouts.append(timeout_s)
+        return {"role": "follower", "leader": "m1", "revision": 9, "raft_term": 2, "has_quorum": True,
+                "peers": {"m1": {"raft": "h1:7201", "http": "h1:7101", "connected": True}}}
+
+
+async def test_gather_status_spends_no_more_than_the_time_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+    from shardgrid import topoctl
+
+    meta = _TimedMeta([1.0, 1.2])
+    monkeypatch.setattr(topoctl, "time", SimpleNamespace(monotonic=lambda: meta.t))
+    st = await gather_status(meta, deadline_s=2.5)  # type: ignore[arg-type]
+    # Each node's own Raft view goes into meta_nodes, for the verdict's meta rules.
+    assert st["meta_nodes"][0]["has_quorum"] is True and st["meta_nodes"][0]["peers"] == {"m1": {"connected": True}}
+    # The re-ask at the leader gets what is left (1.5 s, not its own 3 s), and each node's
+    # /v1/status what is left after that (0.3 s, not its own 2 s).
+    assert meta.cluster_deadlines == [2.5, pytest.approx(1.5)] and meta.preferred == ["h1:7101"]
+    assert meta.status_timeouts == [pytest.approx(0.3)] * 3
+    # Nothing left after the first ask: no re-ask at all.
+    meta = _TimedMeta([2.5])
+    await gather_status(meta, deadline_s=2.5)  # type: ignore[arg-type]
+    assert meta.cluster_deadlines == [2.5] and meta.preferred == []
+    # Without a deadline (apply --dry-run): the client's own, then 3 s and 2 s as before.
+    meta = _TimedMeta([1.0, 1.0])
+    await gather_status(meta)  # type: ignore[arg-type]
+    assert meta.cluster_deadlines == [None, 3.0] and meta.status_timeouts == [2.0] * 3
+
+
+def test_status_gathers_within_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardgrid import topoctl
+    from tests.tier1.test_health import healthy
+
+    seen: list[float | None] = []
+
+    async def gather(client: object, deadline_s: float | None = None) -> dict:
+        seen.append(deadline_s)
+        return healthy()
+
+    class _Client:
+        async def __aenter__(self) -> "_Client":
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(topoctl, "gather_status", gather)
+    monkeypatch.setattr(topoctl, "_client", lambda args, **kw: _Client())
+    assert topoctl.main(["status", "--timeout", "4"]) == 0 and topoctl.main(["status"]) == 0
+    assert seen == [4.0, topoctl.META_DEADLINE_S]

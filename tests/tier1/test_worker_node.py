@@ -167,6 +167,41 @@ async def test_a_group_s_series_go_when_the_group_leaves_the_worker(tmp_path: Pa
         await node.transport.close()
 
 
+_TOPO = {"plugin": "entities", "models": [], "settings": {"fsync": False, "snapshot_every": 1000,
+                                                          "quorum_timeout_ms": 2000, "lease_ms": 1500,
+                                                          "embedding_dim": 4}}
+
+
+async def test_a_group_corrupt_at_its_first_open_exports_no_series(tmp_path: Path, monkeypatch: Any) -> None:
+    # Nothing removes the series of a group this worker never held: had the latency
+    # histogram been bound before the open, an empty one would stay until a restart.
+    from worker.group import GroupCorrupt, GroupShell
+
+    def corrupt(self: GroupShell) -> None:
+        raise GroupCorrupt("bad crc at seq 7")
+
+    def disk_error(self: GroupShell) -> None:
+        raise OSError(5, "Input/output error")
+
+    node = _node(tmp_path)
+    try:
+        monkeypatch.setattr(GroupShell, "open", corrupt)
+        assert node._open_group(7, _TOPO) is None
+        assert 7 not in node.groups and 7 in node.corrupt
+        text = generate_latest(node.metrics.registry).decode()
+        assert [line for line in text.splitlines() if 'group="7"' in line] == []
+        # A replica whose disk failed at open is kept and retried in place: it serves again, observed.
+        monkeypatch.setattr(GroupShell, "open", disk_error)
+        shell = node._open_group(8, _TOPO)
+        assert shell is not None and shell.failed is not None and shell.on_write_latency is not None
+        shell.on_write_latency(0.002)
+        text = generate_latest(node.metrics.registry).decode()
+        assert 'shardgrid_group_write_latency_seconds_count{group="8"} 1.0' in text
+    finally:
+        await node.meta.close()
+        await node.transport.close()
+
+
 async def test_heartbeats_and_healthz_carry_the_version(tmp_path: Path, aiohttp_client: Any) -> None:
     from shardgrid.common.identity import SoftwareIdentity
     from worker.server import WorkerApi
