@@ -199,7 +199,13 @@ class AsyncClient:
                     raise
                 # A pooled connection closed while idle, before any answer: once more on a
                 # new one, with the same request id; not an attempt, the gateway not marked down.
-                resp = await self._exchange(self._fresh_http(), step, op, plan, _Conn())
+                try:
+                    resp = await self._exchange(self._fresh_http(), step, op, plan, _Conn())
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                    # The gateway is gone, not merely the idle connection: the request sent on the
+                    # pooled one may have reached it (and been applied) before it died. That
+                    # attempt's failure stands: outcome unknown, never "nothing was sent".
+                    raise exc from None
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # The connection was never made: nothing was sent.
             return None, Outcome(failure="refused", detail=f"{base}: {exc}")

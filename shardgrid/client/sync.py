@@ -222,7 +222,13 @@ class Client:
             # fresh connection, with the same request id (so a write that did arrive is
             # answered from the dedup table): not an attempt, the gateway not marked down.
             conn = self._connection(step.gateway)
+            first = result
             result, progress = self._exchange(conn, step, op, plan)
+            if isinstance(result, _Refused):
+                # The gateway is gone, not merely the idle connection: the request it was sent
+                # on the pooled one may have reached it (and been applied) before it died. That
+                # attempt's failure stands: outcome unknown, never "nothing was sent".
+                result = first
         if isinstance(result, Response):
             return result, self._core.outcome(result)
         if isinstance(result, _Refused):

@@ -928,3 +928,80 @@ def test_the_client_copies_of_the_gateway_limits() -> None:
     samples += [chr(c) for c in range(0x20, 0x80)]
     for rid in samples:
         assert core.valid_request_id(rid) == bool(_RID.fullmatch(rid)), repr(rid)
+
+
+class _DyingServer:
+    """A gateway that dies with a write in flight: it answers the first request (keep-alive, so
+    the client pools the connection), reads the second whole, then closes that connection and
+    its listening socket without answering (a SIGKILL after it forwarded the write)."""
+
+    def __init__(self) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(16)
+        self.requests = 0
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _read_request(self, conn: socket.socket, buf: bytes) -> bytes:
+        while b"\r\n\r\n" not in buf:
+            chunk = conn.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        head, _, body = buf.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            body += conn.recv(65536)
+        self.requests += 1
+        return body[length:]
+
+    def _run(self) -> None:
+        try:
+            conn, _ = self.srv.accept()
+            with conn:
+                conn.settimeout(5.0)
+                rest = self._read_request(conn, b"")
+                payload = b'{"entity":"u","value":1,"seq":3}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                             b"x-shard: 0\r\nx-seq: 3\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+                self._read_request(conn, rest)
+                self.srv.close()  # no more connections: the gateway is gone
+        except OSError:
+            pass
+        finally:
+            self.srv.close()
+
+
+def test_a_write_sent_on_a_pooled_connection_to_a_gateway_that_then_died_is_perhaps_applied() -> None:
+    # The write reached the gateway (it may have forwarded it and the group applied it); the
+    # resend on a fresh connection is refused: that says nothing of the write already sent.
+    # Reporting applied=False would invite a resend under a new request id: a second increment.
+    for make in ("sync", "async"):
+        server = _DyingServer()
+        other = refused_url()
+        if make == "sync":
+            with sync_client([server.url, other]) as c:
+                c.incr("u", "n")
+                res = _catch(lambda: c.incr("u", "n", request_id="r-1"))
+        else:
+            t = FakeTime()
+
+            async def fake_sleep(s: float) -> None:
+                t.sleep(s)
+
+            async def go() -> Any:
+                async with AsyncClient([server.url, other], seed=1, clock=t.clock, sleep=fake_sleep) as ac:
+                    await ac.incr("u", "n")
+                    try:
+                        return await ac.incr("u", "n", request_id="r-1")
+                    except ShardgridError as exc:
+                        return exc
+
+            res = asyncio.run(go())
+        server.thread.join(5)
+        assert server.requests == 2, make
+        assert isinstance(res, GatewayUnreachable), (make, res)
+        assert res.applied is None and res.request_id == "r-1", (make, res, res.applied)
