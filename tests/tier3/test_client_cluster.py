@@ -246,6 +246,7 @@ class Round:
     attempts: int = 0
     before: int = 0
     after: int = 0
+    orphan_applied: bool | None = None  # held rounds: W applied g1's orphaned call before the resend came
 
 
 def _inflight_round(c: Cluster, member: MemberHttp, entity: str, held: bool, seed: int) -> Round:
@@ -290,9 +291,16 @@ def _inflight_round(c: Cluster, member: MemberHttp, entity: str, held: bool, see
             rnd.stopped_s = time.monotonic() - t0
             if held:
                 # W reads g1's call (and the stream's close) only now: it applies the write,
-                # answered to no one. g2 holds the client's resend until then.
-                wait_until(lambda: _counter_at(member, c, rnd.leader, gid, entity) == rnd.before + 1, 5.0,
-                           f"{rnd.leader} to apply the write g1 forwarded before it died")
+                # answered to no one. g2 holds the client's resend until then. The worker
+                # cancels a closed stream's calls, so a call it had not started yet is
+                # dropped instead (nothing applied: the resend applies it, once); the test
+                # below requires the applied case in at least one held round.
+                try:
+                    wait_until(lambda: _counter_at(member, c, rnd.leader, gid, entity) == rnd.before + 1, 3.0,
+                               f"{rnd.leader} to apply the write g1 forwarded before it died")
+                    rnd.orphan_applied = True
+                except AssertionError:
+                    rnd.orphan_applied = False
                 g2.signal_group(signal.SIGCONT)
                 stopped.remove(g2)
             t.join(20)
@@ -314,8 +322,10 @@ def _inflight_round(c: Cluster, member: MemberHttp, entity: str, held: bool, see
     with Client([urls[1]], deadline_s=10.0) as c2:
         rnd.after = c2.signals(entity).counters.get("n", 0)
     assert rnd.after == rnd.before + 1, rnd  # applied once, not lost, not twice
-    if held:
+    if held and rnd.orphan_applied:
         assert res.value is None, rnd  # answered from W's dedup table, not applied again
+    elif held:
+        assert res.value == rnd.before + 1, rnd  # g1's call was dropped: the resend applied it
     else:
         assert res.value in (None, rnd.before + 1), rnd
     return rnd
@@ -339,4 +349,7 @@ def test_a_write_in_flight_on_a_killed_gateway_is_counted_once(cluster3: Cluster
         print(f"\n{r.entity} ({'held' if r.held else 'race'}) leader {r.leader} stopped {r.stopped_s * 1000:.0f} ms: "
               f"{r.before} -> {r.after}, resend answered value={r.value!r} after {r.attempts} attempts", end="")
     print(f"\n{len(rounds)} rounds in {elapsed:.1f}s")
+    # The case that matters, seen at least once: applied through g1, answered to no one,
+    # the client's resend answered from the dedup table.
+    assert any(r.held and r.orphan_applied for r in rounds), rounds
     assert elapsed < 120
