@@ -394,16 +394,7 @@ def render_status(st: dict[str, Any], health: Health | None = None) -> str:
         lines.append("DRIFT (groups whose live placement differs from the applied file)")
         lines.extend(f"  {render_drift(d)}" for d in drifted)
         lines.append("")
-    problems = replica_problems(st)
-    if problems is None:
-        lines.append("replica health unknown: this view did not come from the meta leader")
-    elif not problems:
-        lines.append("no replica problems reported")
-    else:
-        lines.append(f"{'REPLICA PROBLEMS':<17} {'GROUP':<6} {'STATE':<10} WHY")
-        for wid, gid, state, why in problems:
-            lines.append(f"{wid:<17} {gid:<6} {state:<10} {why}")
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def render_replicas(h: Health) -> list[str]:
@@ -432,37 +423,6 @@ def group_write_rates(st: dict[str, Any]) -> dict[str, float]:
         rep = ((workers.get(g["leader"] or "") or {}).get("report") or {}).get("groups", {}).get(str(gid))
         if isinstance(rep, dict) and rep.get("role") == "leader" and isinstance(rep.get("write_rate"), (int, float)):
             out[str(gid)] = float(rep["write_rate"])
-    return out
-
-
-def replica_problems(st: dict[str, Any]) -> list[tuple[str, str, str, str]] | None:
-    """(worker, group, state, why) for every replica its worker last reported
-    as unable to serve: failed (stopped at an entry it cannot apply, or a
-    disk error), corrupt at start-up, re-syncing from a peer, leading without
-    a quorum (check-quorum), or not hearing from its leader for a lease. None
-    when the view carries no heartbeat reports (only the meta leader holds them)."""
-    workers = st.get("workers") or {}
-    if not any("report" in w for w in workers.values()):
-        return None
-    lease = int(((st.get("topology") or {}).get("settings") or {}).get("lease_ms", 1500))
-    out: list[tuple[str, str, str, str]] = []
-    for wid, w in sorted(workers.items()):
-        groups = (w.get("report") or {}).get("groups") or {}
-        for gid, rep in sorted(groups.items(), key=lambda kv: int(kv[0])):
-            silence = rep.get("leader_silence_ms")
-            if rep.get("state") == "corrupt":
-                out.append((wid, gid, "corrupt", str(rep.get("error") or "")))
-            elif rep.get("failed") is not None:
-                out.append((wid, gid, "failed", str(rep["failed"])))
-            elif rep.get("resyncing"):
-                out.append((wid, gid, "resyncing", "lost its log; catching up, neither votes nor leads"))
-            elif rep.get("quorum") is False:
-                out.append((wid, gid, "no-quorum", f"leads term {rep.get('term')} but has had no round trip with a "
-                            f"majority of its voters for {rep.get('no_quorum_ms') or 0} ms over the {lease} ms lease: "
-                            "refuses writes; meta moves the leadership once the others can form a quorum"))
-            elif isinstance(silence, int) and silence >= lease:
-                out.append((wid, gid, "cut-off", f"has not heard from its leader {rep.get('leader') or '-'} "
-                            f"(term {rep.get('term')}) for {silence} ms"))
     return out
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardgrid.health import assess
 from shardgrid.topoctl import gather_status, render_status
 
 
@@ -26,12 +27,16 @@ def test_status_marks_groups_away_from_their_preferred_leader() -> None:
 
 
 def _with_reports(reports: dict[str, dict | None]) -> dict:
+    """Groups 0 and 1 on w1,w2,w3, led by w1 and w2 at term 3, as the meta leader's view
+    (a worker given `...` carries no report: a meta follower's view)."""
     return {
-        "topology": {"cluster": "c1"}, "revision": 9, "topology_revision": 1, "meta_leader": "m1",
+        "topology": {"cluster": "c1", "replication_factor": 3, "settings": {"lease_ms": 1500}}, "revision": 9,
+        "topology_revision": 1, "meta_leader": "m1", "meta_leader_for_ms": 60_000,
         "meta_nodes": [{"id": "m1", "http": "127.0.0.1:7101", "up": True, "role": "leader", "revision": 9}],
-        "groups": {},
+        "groups": {gid: {"term": 3, "leader": leader, "ready": True, "preferred_leader": leader,
+                         "voters": ["w1", "w2", "w3"], "learners": []} for gid, leader in (("0", "w1"), ("1", "w2"))},
         "workers": {wid: {"addr": f"127.0.0.1:720{i}", "zone": "a", "state": "active", "live": True,
-                          **({} if rep is ... else {"report": rep})}
+                          "last_seen_ms_ago": 100, **({} if rep is ... else {"report": rep})}
                     for i, (wid, rep) in enumerate(sorted(reports.items()))},
     }
 
@@ -40,46 +45,64 @@ def _healthy(term: int = 3) -> dict:
     return {"term": term, "role": "follower", "failed": None, "resyncing": False}
 
 
-def test_status_lists_every_replica_that_cannot_serve_and_why() -> None:
-    st = _with_reports({
-        "w1": {"groups": {"0": _healthy(), "1": {**_healthy(), "failed": "Unappliable: unknown op kind put_item_v2"}}},
-        "w2": {"groups": {"0": {**_healthy(), "resyncing": True}, "1": _healthy()}},
-        "w3": {"groups": {"0": {"state": "corrupt", "error": "wal record 17: bad checksum"}, "1": _healthy()}},
-        "w4": None,  # registered, no heartbeat yet
-    })
-    lines = render_status(st).splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("REPLICA PROBLEMS"))
-    rows = [line.split(None, 3) for line in lines[start + 1:]]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("w1", "1", "failed"), ("w2", "0", "resyncing"),
-                                                  ("w3", "0", "corrupt")]
-    assert rows[0][3] == "Unappliable: unknown op kind put_item_v2"
-    assert rows[2][3] == "wal record 17: bad checksum"
+def _rep(gid: str, **kw: object) -> dict:
+    """A replica in step: the leader named in _with_reports leads, the others follow."""
+    leads = (gid, kw.get("_me")) in (("0", "w1"), ("1", "w2"))
+    out = {"term": 3, "role": "leader" if leads else "follower", "ready": leads, "quorum": True,
+           "leader": "w1" if gid == "0" else "w2", "leader_silence_ms": None if leads else 40,
+           "last_seq": 10, "commit": 10, "applied": 10, "failed": None, "resyncing": False}
+    out.update({k: v for k, v in kw.items() if k != "_me"})
+    return out
 
 
-def test_status_says_so_when_no_replica_has_a_problem_and_when_it_cannot_know() -> None:
-    healthy = render_status(_with_reports({"w1": {"groups": {"0": _healthy()}}}))
-    assert "no replica problems reported" in healthy and "REPLICA PROBLEMS" not in healthy
+def _reports(**special: dict) -> dict[str, dict | None]:
+    """Every worker reporting both groups in step, but for `special` ("w2_0": overrides)."""
+    return {w: {"groups": {g: _rep(g, _me=w, **special.get(f"{w}_{g}", {})) for g in ("0", "1")}}
+            for w in ("w1", "w2", "w3")}
+
+
+def _verdict_lines(st: dict) -> list[str]:
+    """The status's opening: the verdict and its reasons, up to the first blank line."""
+    lines = render_status(st, assess(st)).splitlines()
+    return lines[:lines.index("")]
+
+
+def test_status_opens_with_every_replica_that_cannot_serve_and_why() -> None:
+    st = _with_reports(_reports(w3_1={"failed": "Unappliable: unknown op kind put_item_v2"},
+                                w2_0={"resyncing": True}))
+    st["workers"]["w3"]["report"]["groups"]["0"] = {"state": "corrupt", "error": "wal record 17: bad checksum"}
+    head = _verdict_lines(st)
+    # Group 0 keeps one voter able to serve (w2 re-syncs, w3 is corrupt): no quorum.
+    assert head[0].startswith("red")
+    assert "  red     group 0: 1 of 3 voters can serve; a quorum needs 2" in head
+    assert "  yellow  group 0: voter w2 resyncing: lost its log; catching up from a peer, neither votes nor leads" \
+        in head
+    assert "  yellow  group 0: voter w3 corrupt: wal record 17: bad checksum" in head
+    assert "  yellow  group 1: voter w3 failed: Unappliable: unknown op kind put_item_v2" in head
+    # The same judgement, replica by replica, in the lag table.
+    states = {(line.split()[0], line.split()[1]): line.split()[3] for line in render_status(st, assess(st)).splitlines()
+              if line[:1].isdigit() and len(line.split()) == 8}
+    assert states[("0", "w2")] == "resyncing" and states[("1", "w3")] == "failed" and states[("0", "w1")] == "ok"
+
+
+def test_status_says_green_when_no_replica_has_a_problem_and_yellow_when_it_cannot_know() -> None:
+    healthy = _verdict_lines(_with_reports(_reports()))
+    assert healthy == ["green: every group has a ready leader and its voters in sync"]
     # A meta follower's view carries no heartbeat reports: that is "unknown", not "healthy".
-    blind = render_status(_with_reports({"w1": ..., "w2": ...}))
-    assert "replica health unknown" in blind and "no replica problems" not in blind
+    blind = _verdict_lines(_with_reports({"w1": ..., "w2": ..., "w3": ...}))
+    assert blind[0].startswith("yellow") and any("health unknown" in line for line in blind)
 
 
 def test_status_shows_a_leader_without_quorum_and_replicas_cut_off_from_their_leader() -> None:
-    st = _with_reports({
-        "w1": {"groups": {"0": {**_healthy(), "role": "leader", "quorum": False, "no_quorum_ms": 2300},
-                          "1": {**_healthy(), "leader_silence_ms": 40, "leader": "w2"}}},
-        "w2": {"groups": {"0": {**_healthy(), "leader": "w1", "leader_silence_ms": 3800},
-                          "1": {**_healthy(), "role": "leader", "quorum": True, "no_quorum_ms": None}}},
-        "w3": {"groups": {"0": {**_healthy(), "leader": "w1", "leader_silence_ms": 1499}}},
-    })
-    st["topology"]["settings"] = {"lease_ms": 1500}
-    lines = render_status(st).splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("REPLICA PROBLEMS"))
-    rows = [line.split(None, 3) for line in lines[start + 1:]]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("w1", "0", "no-quorum"), ("w2", "0", "cut-off")]
-    assert "no round trip with a majority of its voters for 2300 ms" in rows[0][3]
-    assert rows[1][3] == "has not heard from its leader w1 (term 3) for 3800 ms"
-
+    st = _with_reports(_reports(w1_0={"quorum": False, "no_quorum_ms": 2300},
+                                w2_0={"leader_silence_ms": 3800}, w3_0={"leader_silence_ms": 1499}))
+    head = _verdict_lines(st)
+    assert head[0].startswith("red")
+    assert any(line.startswith("  red     group 0: leader w1 no-quorum: no round trip with a majority of its "
+                               "voters for 2300 ms") for line in head), head
+    assert any(line.startswith("  yellow  group 0: voter w2 cut-off: has not heard from its leader for 3800 ms")
+               for line in head), head
+    assert not any("w3" in line for line in head)  # 1499 ms: still within the lease
 
 def test_status_shows_what_each_worker_offers() -> None:
     st = _with_reports({"w1": ..., "w4": ...})
@@ -151,10 +174,9 @@ def test_status_shows_drift_from_the_applied_file_and_why() -> None:
                  {"w1": {}, "w2": {}, "w3": {"state": "removed", "live": False}, "w4": {}})
     lines = render_status(st).splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("DRIFT"))
-    assert lines[start + 1:start + 3] == [
+    assert lines[start + 1:] == [
         "  group 1: file w1,w2,w3; live w1,w2,w4 (w3 removed: repaired onto w4; "
         "the controller keeps w1,w2,w4 until the file is applied again)",
-        "",
     ]
 
 

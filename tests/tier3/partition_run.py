@@ -52,7 +52,7 @@ from tests.support.cluster import Cluster, MetaSpec, wait_until
 from tests.support.history import check_acknowledged, check_linearizable
 from tests.support.load import LoadGenerator, LoadResult, final_state
 from shardgrid.common.auth import write_secret
-from shardgrid.topoctl import replica_problems
+from shardgrid.health import assess
 from tests.tier3.test_chaos import GROUPS, Background
 from topology.routing import shard_for
 
@@ -307,9 +307,11 @@ def run_isolated_leader(root: Path, scenario: str, out: dict[str, Any]) -> None:
                 if moved:
                     failed.append(f"groups other than 0 changed leader or term under the cut: {moved}")
                 if scenario != "asymmetric-out":  # (there the old leader still hears the new one)
-                    # What an operator sees: topoctl status lists the old leader as cut off.
-                    def shown() -> list[tuple[str, str, str, str]] | None:
-                        rows = [p for p in (replica_problems(c.view()) or []) if p[:2] == (victim, "0")]
+                    # What an operator sees: topoctl status's verdict names the old leader's
+                    # replica of group 0 as one that cannot serve (cut off, unheard by its leader).
+                    def shown() -> list[tuple[str, int, str, str]] | None:
+                        rows = [(r.worker, r.group, r.state, r.why) for r in assess(c.view()).replicas
+                                if (r.worker, r.group) == (victim, 0) and not r.serving]
                         return rows or None
                     try:
                         out["status_shows"] = wait_until(shown, 5.0, "", interval=0.1)
