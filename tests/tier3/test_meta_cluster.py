@@ -104,7 +104,10 @@ def test_apply_survives_leader_kill_and_full_cluster_restart(cluster: Cluster) -
                                        "1": {"term": 1, "last_term": 1, "last_seq": 3, "failed": why}}) == 200
     st = c.topoctl("status", meta=c.meta_spec(follower).http)
     assert st.returncode in (5, 6), st.stderr  # a failed replica is never green
-    assert re.search(rf"^w2\s+1\s+failed\s+{re.escape(why)}$", st.stdout, re.M), st.stdout
+    # A reason of the verdict (red for a leader, yellow for a voter), and its row in the lag table.
+    assert re.search(rf"^  (red|yellow)\s+group 1: (leader|voter) w2 failed: {re.escape(why)}$", st.stdout, re.M), \
+        st.stdout
+    assert re.search(r"^1\s+w2\s+(leader|voter)\s+failed\s", st.stdout, re.M), st.stdout
 
 
 def test_topoctl_reports_invalid_file_and_unreachable_meta(cluster: Cluster, tmp_path: Path) -> None:
