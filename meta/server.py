@@ -483,7 +483,10 @@ class MetaServer:
             if add not in self.raft.sm.workers:
                 raise ApiError("bad_request", f"{add} is not a registered worker")
             if not heard_live(soft, add, now, lease):
-                raise ApiError("bad_request", f"{add} is not live (no recent heartbeat)")
+                heard = soft.workers.get(add)
+                raise ApiError("bad_request", f"{add} is not live (no heartbeat in the last {lease} ms)" if heard else
+                               f"{add} is registered, but this meta leader has not heard its heartbeat yet: "
+                               "retry once `topoctl status` shows it live")
             cmd = self._operator_cmd(gid, "add", add)
         else:
             if remove not in members:

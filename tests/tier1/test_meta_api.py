@@ -302,6 +302,24 @@ async def test_a_removal_right_after_a_meta_failover_counts_only_voters_heard_fr
     assert started.status == 202, await started.text()
 
 
+async def test_a_new_replica_goes_only_to_a_worker_the_meta_leader_has_heard(meta_and_worker: Any) -> None:
+    """Registered is not enough: the add names what is missing, a first heartbeat or a recent one."""
+    client, server, raft, calls, behaviour = meta_and_worker
+    assert (await client.post("/v1/workers/register", json={"id": "w4", "addr": "127.0.0.1:9"})).status == 200
+    unheard = await client.post("/v1/groups/0/replicas", json={"add": "w4"})
+    err = (await unheard.json())["error"]
+    assert unheard.status == 400 and "has not heard its heartbeat yet" in err["message"], err
+    assert (await client.post("/v1/workers/w4/heartbeat", json={"groups": {}})).status == 200
+    server.soft.workers["w4"].last_seen_ms -= 10 * server._lease_ms()  # heard, long ago
+    stale = await client.post("/v1/groups/0/replicas", json={"add": "w4"})
+    err = (await stale.json())["error"]
+    assert stale.status == 400 and f"no heartbeat in the last {server._lease_ms()} ms" in err["message"], err
+    assert not raft.sm.operators
+    assert (await client.post("/v1/workers/w4/heartbeat", json={"groups": {}})).status == 200
+    started = await client.post("/v1/groups/0/replicas", json={"add": "w4"})
+    assert started.status == 202, await started.text()
+
+
 async def test_a_replica_reported_corrupt_counts_as_failed(meta_and_worker: Any) -> None:
     """A worker that found a group corrupt at start-up reports {"state": "corrupt"}:
     it must not lead (it answers nothing for that group until restarted)."""

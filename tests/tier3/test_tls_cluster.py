@@ -105,9 +105,17 @@ def test_shardgrid_dev_tls(tmp_path: Path) -> None:
         added = subprocess.run([sys.executable, "-m", "shardgrid.cli", "dev", "add-worker", "--data", str(data)],
                                capture_output=True, text=True, timeout=30)
         assert added.returncode == 0 and "started w4" in added.stdout, added.stdout + added.stderr
-        # Its registration with meta is over https as well.
-        wait_until(lambda: http_json("GET", f"https://{meta_addrs[0]}/v1/cluster", timeout=2, context=ctx)[1]
-                   ["workers"].get("w4", {}).get("state") == "available", 60, "w4 to register as available")
+        # Its registration and heartbeats reach meta over https as well. A replica
+        # goes only to a worker the meta leader has heard (registered is not
+        # enough), and only the leader's view says `live`.
+        def w4_live() -> bool:
+            for addr in meta_addrs:
+                code, view = http_json("GET", f"https://{addr}/v1/cluster", timeout=2, context=ctx)
+                w4 = view["workers"].get("w4", {}) if code == 200 else {}
+                if w4.get("state") == "available" and w4.get("live") is True:
+                    return True
+            return False
+        wait_until(w4_live, 60, "w4 to register as available and be heard live by the meta leader")
         code, body = http_json("POST", f"{gw}/cluster/shards/1/replicas", {"add": "w4"}, timeout=10, context=ctx,
                                headers={"Authorization": f"Bearer {TOKEN}"})
         assert code == 202, body
