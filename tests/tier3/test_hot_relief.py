@@ -15,9 +15,9 @@ contention dominate the persist p99 of leaders and followers alike); a
 worker short of CPU is what makes a hot leader in production, and it makes one
 here, deterministically. The stop is long enough that w1's persist p99 (about
 155 ms) stays above twice its followers' even on a disk whose fsync p99 nears
-70 ms: a 50 ms stop failed in about one full CI run in three, where one
-follower's fsync spike is enough to break the hot window (the median of three
-voters is the slower follower).
+70 ms. A 50 ms stop failed in about one full CI run in three and never
+alone; the likely cause (not observed) is one follower's fsync spike, which
+breaks the hot window, as the median of three voters is the slower follower.
 """
 from __future__ import annotations
 
