@@ -74,21 +74,12 @@ def leaders(c: Cluster) -> dict[str, tuple[str, int]]:
     return {gid: (g["leader"], g["term"]) for gid, g in c.view()["groups"].items()}
 
 
-def persist_p99s(c: Cluster) -> dict[str, dict[str, float]]:
-    """Per group, each worker's reported persist p99 (ms), as meta's leader last heard it."""
+def reported(c: Cluster, field: str) -> dict[str, dict[str, float]]:
+    """Per group, what each worker last reported of `field` (persist_p99_ms, write_rate), as meta's leader heard it."""
     out: dict[str, dict[str, float]] = {}
     for wid, w in c.view()["workers"].items():
         for gid, rep in ((w.get("report") or {}).get("groups") or {}).items():
-            out.setdefault(gid, {})[wid] = rep.get("persist_p99_ms")
-    return out
-
-
-def write_rates(c: Cluster) -> dict[str, dict[str, float]]:
-    """Per group, each worker's reported write rate (writes/s), as meta's leader last heard it."""
-    out: dict[str, dict[str, float]] = {}
-    for wid, w in c.view()["workers"].items():
-        for gid, rep in ((w.get("report") or {}).get("groups") or {}).items():
-            out.setdefault(gid, {})[wid] = rep.get("write_rate")
+            out.setdefault(gid, {})[wid] = rep.get(field)
     return out
 
 
@@ -97,7 +88,8 @@ def hold(c: Cluster, expect: dict[str, tuple[str, int]], seconds: float, what: s
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         now = leaders(c)
-        assert now == expect, f"{what}: leaderships changed from {expect} to {now} (persist p99s {persist_p99s(c)})"
+        assert now == expect, \
+            f"{what}: leaderships changed from {expect} to {now} (persist p99s {reported(c, 'persist_p99_ms')})"
         time.sleep(0.2)
 
 
@@ -140,7 +132,8 @@ def test_skewed_load_moves_the_hot_leadership_once_and_it_stays(tmp_path: Path) 
 
             def group0_moved() -> Any:
                 now = leaders(c)
-                seen.append(f"{time.monotonic():.1f} {now} p99 {persist_p99s(c)} rates {write_rates(c)}")
+                seen.append(f"{time.monotonic():.1f} {now} p99 {reported(c, 'persist_p99_ms')} "
+                            f"rates {reported(c, 'write_rate')}")
                 return now if now["0"][0] != "w1" else None
             try:
                 moved = wait_until(group0_moved, 60, "group 0's leadership to move off w1", interval=0.2)
@@ -152,7 +145,8 @@ def test_skewed_load_moves_the_hot_leadership_once_and_it_stays(tmp_path: Path) 
                         "controller", "rebalance", "leader_count", "operator", "leader_set", "transfer", "warning"))]
                     print(f"--- {m.id}\n" + "\n".join(picked[-40:]))
                 raise
-            print(f"\n[hot-relief] moved: {start} -> {moved}; persist p99s {persist_p99s(c)}; rates {write_rates(c)}")
+            print(f"\n[hot-relief] moved: {start} -> {moved}; persist p99s {reported(c, 'persist_p99_ms')}; "
+                  f"rates {reported(c, 'write_rate')}")
             assert {g: lt for g, lt in moved.items() if g != "0"} == {g: lt for g, lt in start.items() if g != "0"}
             assert moved["0"][0] in ("w2", "w3") and moved["0"][1] == start["0"][1] + 1  # one move
             hold(c, moved, 3 * WINDOW_S, "after the move")
