@@ -12,8 +12,9 @@ What is modelled
 ----------------
 * disks: unsynced writes lost, torn, or kept block by block (holes) on a
   power loss, names lost without a directory fsync, fsync failures with
-  Linux's semantics (the pages are gone), and bytes flipped in a synced
-  WAL record while its replica is down;
+  Linux's semantics (the pages are gone), short writes (the disk filling
+  in the middle of one: the next fails ENOSPC; or a signal), and bytes
+  flipped in a synced WAL record while its replica is down;
 * crashes anywhere: a node's disk may kill it at its k-th mutating call
   (in the middle of a WAL append, a segment roll, a hard-state write, a
   snapshot archive or install, a download), or the nemesis kills it
@@ -106,6 +107,7 @@ class Params:
     download_flip: float
     power_modes: tuple[str, ...]
     snapshot_ratio: float  # GroupSettings.snapshot_state_ratio: 0 snapshots at every point
+    short_write: float  # chance per write that it is short (then half the time the next one fails ENOSPC)
 
 
 def draw_params(rng: random.Random) -> Params:
@@ -132,6 +134,7 @@ def draw_params(rng: random.Random) -> Params:
         download_flip=rng.choice((0.0, 0.1, 0.3)),
         power_modes=rng.choice((("lose",), ("prefix",), ("reorder",), ("lose", "prefix", "reorder"))),
         snapshot_ratio=rng.choice((0.0, 0.5)),
+        short_write=rng.choice((0.0, 0.0, 0.002, 0.02)),
     )
 
 
@@ -360,6 +363,7 @@ class ShellSim:
                       for n in self.names}
         for node in self.nodes.values():
             node.storage.fsync_fail_rate = self.p.fsync_fail
+            node.storage.short_write_rate = self.p.short_write
             # A failed fsync can leave a log damaged (a process that dies
             # before the WAL cuts what the fsync forgot): one damaged log at
             # a time, as for the simulator's own damage (see `restart`).
@@ -465,6 +469,7 @@ class ShellSim:
         self.cut.clear()
         for node in self.nodes.values():
             node.storage.fsync_fail_rate = 0.0
+            node.storage.short_write_rate = 0.0
             node.storage.crash_hook = None
             if not node.up:
                 self.start(node)
@@ -850,6 +855,7 @@ class ShellSim:
                     self.fail(f"{node.name}: item {item} is there but was never committed")
                 if doc is not None and doc != {"n": n}:
                     self.fail(f"{node.name}: item {item} reads {doc!r}, written as {{'n': {n}}}")
+        self.stats["short_writes"] = sum(n.storage.short_writes for n in self.nodes.values())
         self.stats["acked"] = len(self.commits.acked)
         self.stats["committed"] = self.commits.last
 

@@ -29,6 +29,10 @@ The model (Linux-like, simplified):
   forgets the inode's pending operations, as Linux does: their bytes stay in
   the page cache, but no later fsync makes them durable and a power loss
   reverts them.
+* A write or pwrite may be short (`short_write_rate`): it writes a prefix of
+  its bytes and returns their count, as write(2) does when the disk fills in
+  the middle of it (then the next write fails with ENOSPC) or a signal
+  interrupts it (then the next one goes on).
 * `crash_after(n)`: the n-th mutating call from now raises `SimCrash` (a
   write first applies a random prefix of its bytes); until `kill()` or
   `power_loss()` every call raises `SimCrash` (the process is dead).
@@ -143,6 +147,9 @@ class SimStorage:
         self.may_fail: Callable[[], bool] = lambda: True
         self.write_failures = 0  # the next n write/pwrite/fallocate calls fail with `write_errno`
         self.write_errno = errno.ENOSPC
+        # Chance per write/pwrite of at least 2 bytes that it is short; `may_fail` holds it back too.
+        self.short_write_rate = 0.0
+        self.short_writes = 0  # how many there were (a simulator's statistics)
         self.crash_hook: Callable[[str], bool] | None = None  # op name -> crash now?
         self.mutations = 0  # mutating calls so far (to pick a crash point)
 
@@ -366,20 +373,32 @@ class SimStorage:
             self.write_failures -= 1
             raise OSError(self.write_errno, os.strerror(self.write_errno))
 
+    def _written(self, size: int) -> int:
+        """How many of `size` bytes a write that passed its checks writes."""
+        if size < 2 or not self.short_write_rate or self.rng.random() >= self.short_write_rate \
+                or not self.may_fail():
+            return size
+        self.short_writes += 1
+        if self.rng.random() < 0.5:
+            self.fail_next_writes(1, errno.ENOSPC)  # the disk filled up in the middle of it
+        return self.rng.randint(1, size - 1)
+
     def write(self, fd: int, data: bytes | memoryview) -> int:
         f = self._fd(fd)
         if f.append:
             f.pos = len(f.inode.volatile)
         self._write_check("write", f, data, f.pos)
-        self._data_op(f.inode, ("write", f.pos, bytearray(data)))
-        f.pos += len(data)
-        return len(data)
+        n = self._written(len(data))
+        self._data_op(f.inode, ("write", f.pos, bytearray(data[:n])))
+        f.pos += n
+        return n
 
     def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
         f = self._fd(fd)
         self._write_check("pwrite", f, data, offset)
-        self._data_op(f.inode, ("write", offset, bytearray(data)))
-        return len(data)
+        n = self._written(len(data))
+        self._data_op(f.inode, ("write", offset, bytearray(data[:n])))
+        return n
 
     def pread(self, fd: int, size: int, offset: int) -> bytes:
         return bytes(self._fd(fd).inode.volatile[offset:offset + size])

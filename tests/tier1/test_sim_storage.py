@@ -180,6 +180,25 @@ def test_write_failures_and_corrupt() -> None:
     assert s.read_bytes(F)[off] != 0  # in the durable bytes too
 
 
+def test_a_short_write_writes_a_prefix_and_half_the_time_the_next_write_fails() -> None:
+    kinds = set()
+    for seed in range(40):
+        s = _disk(seed)
+        fd = _create(s, F, b"")
+        s.short_write_rate = 1.0
+        n = s.write(fd, b"abcdefgh")
+        assert 1 <= n < 8 and s.read_bytes(F) == b"abcdefgh"[:n] and s.short_writes == 1
+        s.short_write_rate = 0.0
+        try:
+            assert s.pwrite(fd, b"xy", n) == 2
+            kinds.add("went on")
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            kinds.add("disk full")
+        assert s.write(fd, b"z") == 1  # a single byte is never short
+    assert kinds == {"went on", "disk full"}
+
+
 def test_unlink_without_fsync_dir_may_come_back() -> None:
     seen = set()
     for seed in range(30):

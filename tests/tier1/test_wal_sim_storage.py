@@ -354,6 +354,35 @@ def test_a_full_disk_fails_the_append_and_the_log_recovers() -> None:
         wal.close()
 
 
+def test_short_writes_leave_whole_records_or_a_failed_append_the_log_recovers_from() -> None:
+    """A short write is looped on (a signal) or surfaces as the next write's ENOSPC
+    (the disk filled up): never a record with a hole, never a lost synced entry."""
+    failed = shorts = 0
+    for seed in range(60):
+        disk, rng, wal = _synced_log(seed)
+        disk.short_write_rate = 0.5
+        kept = wal.entries(wal.first_seq)
+        batch = [(1, wal.last_seq + i, _payload(rng)) for i in range(1, rng.randint(2, 6))]
+        try:
+            wal.append(batch)
+            wal.sync()
+            kept = wal.entries(wal.first_seq)
+        except OSError:
+            failed += 1
+            disk.write_failures = 0
+            with pytest.raises(WalFailed):
+                wal.sync()
+        disk.short_write_rate, shorts = 0.0, shorts + disk.short_writes
+        wal.close()
+        disk.power_loss(rng, rng.choice(MODES))
+        wal, rec = Wal.recover(D, storage=disk)
+        # Unsynced records may outlive a power loss, but only whole and in order.
+        extra = rec.entries[len(kept):]
+        assert rec.entries[:len(kept)] == kept and extra == [Entry(*b) for b in batch[:len(extra)]]
+        wal.close()
+    assert 0 < failed < 60 and shorts > failed
+
+
 def test_a_failed_fsync_in_truncate_after_keeps_the_synced_entries_it_was_asked_to_keep() -> None:
     # truncate_after reopens an earlier segment, synced whole; a failed fsync
     # of its cut must not cut it further to the size the deleted segment had
