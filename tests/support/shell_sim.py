@@ -29,6 +29,8 @@ What is modelled
   answers cut short, a source that is busy, and one that flips a byte;
 * meta: a term and leader changed only by compare-and-set, failover to a
   live voter (the most up-to-date one, or any), views delayed and lost;
+  leader transfers asked of the leader, handed over by the leader's own
+  compare-and-set (delayed, sometimes lost, refused once the term moved);
 * clients: unique writes with request ids, acknowledged at quorum or all,
   retried with the same rid after a timeout or a not_leader.
 
@@ -108,6 +110,7 @@ class Params:
     power_modes: tuple[str, ...]
     snapshot_ratio: float  # GroupSettings.snapshot_state_ratio: 0 snapshots at every point
     short_write: float  # chance per write that it is short (then half the time the next one fails ENOSPC)
+    transfer: float  # of strikes, how many ask the leader to hand its leadership to another node
 
 
 def draw_params(rng: random.Random) -> Params:
@@ -135,6 +138,7 @@ def draw_params(rng: random.Random) -> Params:
         power_modes=rng.choice((("lose",), ("prefix",), ("reorder",), ("lose", "prefix", "reorder"))),
         snapshot_ratio=rng.choice((0.0, 0.5)),
         short_write=rng.choice((0.0, 0.0, 0.002, 0.02)),
+        transfer=rng.choice((0.0, 0.1, 0.3)),
     )
 
 
@@ -187,7 +191,10 @@ class _Hooks:
         self.sim.on_ready(self.node, term)
 
     def transfer_ready(self, group: int, target: str, term: int) -> None:
-        pass  # the simulator asks for no transfers
+        # The worker's POST /v1/groups/{g}/leader: in flight a while, sometimes lost.
+        if self.sim.calm or self.sim.rng.random() > 0.1:
+            self.sim.loop.call_later(self.sim.rng.randint(1, 30) / 1000, self.sim.meta_hand_over, self.node.name,
+                                     target, term)
 
     def report_quorum(self, group: int, term: int, ok: bool) -> None:
         pass
@@ -747,6 +754,26 @@ class ShellSim:
                 best = self.rng.choice(live)
             self.meta_cas(best)
 
+    def meta_hand_over(self, sender: str, target: str, expect_term: int) -> None:
+        """meta/server.py's set_leader for a transfer: only the leader of
+        `expect_term` may name its successor, by compare-and-set."""
+        if self.m_term != expect_term or self.m_leader != sender:
+            self.stats["transfer_refused"] += 1
+            self.log(f"HANDOVER {sender} -> {target} at term {expect_term} refused (meta term {self.m_term})")
+            return
+        self.stats["transfer_done"] += 1
+        self.meta_cas(target)
+
+    def ask_transfer(self) -> None:
+        """An operator's (or the balancer's) transfer: meta asks the leader it knows."""
+        leader = self.nodes.get(self.m_leader or "")
+        if leader is None or not leader.up or leader.shell is None:
+            return
+        target = self.rng.choice([n for n in self.names if n != leader.name])
+        self.stats["transfer_asked"] += 1
+        self.log(f"TRANSFER {leader.name} -> {target} asked")
+        leader.shell.deliver(m.TransferLeader(target))
+
     def position(self, name: str) -> tuple[int, int]:
         r = self.nodes[name].shell.replica  # type: ignore[union-attr]
         return (r.last_term, r.last_seq) if r is not None else (0, 0)
@@ -774,6 +801,8 @@ class ShellSim:
                 self.stats["partition"] += 1
                 self.log(f"CUT {sorted(pairs)}")
                 self.loop.call_later(rng.randint(100, 800) / 1000, self.heal, pairs)
+            elif roll < self.p.outage_share + self.p.partition + self.p.transfer:
+                self.ask_transfer()
             else:
                 up = [n for n in self.names if self.nodes[n].up]
                 if up:

@@ -71,6 +71,6 @@ def test_runs_exercise_the_shell() -> None:
         "torn_tail_truncated", "wal_damaged",
         "reopened_after_disk_error",
         "snapshot_installed", "download_cut", "download_busy", "download_flipped",
-        "partition",
+        "partition", "transfer_done", "short_writes",
     ):
         assert total[what] > 0, f"no {what} in 60 seeds: {dict(total)}"
