@@ -138,7 +138,7 @@ def _cmd_dev(args: argparse.Namespace) -> int:
         from shardgrid.devcontrol import run_client
 
         return run_client(Path(args.data), args.action, args.name, args.signal, args.available_ram,
-                          args.available_disk)
+                          args.available_disk, wait_live=not args.no_wait)
     if args.name is not None:
         sys.stderr.write(f"shardgrid dev: unexpected argument {args.name!r}\n")
         return 2
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--signal", default="KILL", help="kill: KILL (default), TERM, STOP, CONT or INT")
     d.add_argument("--available-ram", default=None, metavar="SIZE", help="add-worker: memory it advertises (8GB)")
     d.add_argument("--available-disk", default=None, metavar="SIZE", help="add-worker: disk it advertises (50GB)")
+    d.add_argument("--no-wait", action="store_true",
+                   help="add-worker: return once started, without waiting for meta's leader to hear it")
     d.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
     d.add_argument("--fresh", action="store_true", help="wipe the data directory first")
     d.add_argument("--topology", default=str(default_topology_path()), help="topology file to apply")

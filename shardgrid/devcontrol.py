@@ -27,6 +27,9 @@ SOCKET_NAME = "dev.sock"
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP, "CONT": signal.SIGCONT,
            "INT": signal.SIGINT}
 MAX_REQUEST = 64 * 1024
+# How long `add-worker` waits for meta's leader to hear the new worker: a
+# replica can be placed on it only then (meta refuses a worker it has not heard).
+LIVE_WAIT_S = 20.0
 
 
 class DevControlError(Exception):
@@ -193,8 +196,9 @@ def request(data: Path, req: dict[str, Any], timeout_s: float = 30.0) -> dict[st
 
 
 def run_client(data: Path, action: str, name: str | None, sig: str, ram: str | None = None,
-               disk: str | None = None) -> int:
-    """`shardgrid dev ps|kill|start|add-worker`: print the answer; 0, or 1 when refused."""
+               disk: str | None = None, wait_live: bool = True) -> int:
+    """`shardgrid dev ps|kill|start|add-worker`: print the answer; 0, or 1 when
+    refused. `add-worker` waits (unless not `wait_live`) for meta's leader to hear the worker."""
     req: dict[str, Any] = {"op": action}
     if action == "add-worker":
         from shardgrid.common.units import parse_bytes
@@ -230,4 +234,64 @@ def run_client(data: Path, action: str, name: str | None, sig: str, ram: str | N
     else:
         sys.stdout.write(f"started {reply['name']} (pid {reply['pid']}): {' '.join(reply['args'])}\n"
                          f"  log {reply['log']}\n")
+        if action == "add-worker" and wait_live:
+            return _report_live(reply)
     return 0
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def _report_live(reply: dict[str, Any]) -> int:
+    """Wait until meta's leader hears the added worker and say so: until then
+    a `replicas add` of it is refused (not live), which a user would otherwise
+    meet first."""
+    import asyncio
+
+    args, name = [str(a) for a in reply.get("args", [])], str(reply["name"])
+    metas = (_flag(args, "--meta") or "").split(",")
+    ca = _flag(args, "--tls-ca")
+    sys.stdout.write(f"waiting for meta to hear {name} ...\n")
+    sys.stdout.flush()
+    try:
+        leader = asyncio.run(wait_worker_live([m for m in metas if m], name, LIVE_WAIT_S,
+                                              Path(ca) if ca else None))
+    except TimeoutError as exc:
+        sys.stderr.write(f"shardgrid dev add-worker: {exc}; see its log {reply['log']}\n")
+        return 1
+    sys.stdout.write(f"{name} is registered and live (heard by meta leader {leader}): meta may place replicas "
+                     f"on it\n")
+    return 0
+
+
+async def wait_worker_live(metas: list[str], worker: str, deadline_s: float, ca: Path | None = None) -> str:
+    """Until the meta leader's view says `worker` is live; the leader's id. Only
+    the leader's view carries `live` (it alone hears heartbeats)."""
+    import asyncio
+    import time
+
+    from meta.client import MetaClient, MetaError, MetaUnreachable
+    from shardgrid.common.tls import client_context
+
+    tls = client_context(ca) if ca is not None else None
+    deadline = time.monotonic() + deadline_s
+    state = "not registered yet"
+    async with MetaClient(metas, tls=tls) as client:
+        while time.monotonic() < deadline:
+            try:
+                view = await client.cluster(deadline_s=max(0.1, min(2.0, deadline - time.monotonic())))
+            except (MetaError, MetaUnreachable) as exc:
+                state = f"meta did not answer ({exc})"
+            else:
+                leader = view.get("meta_leader")
+                w = view.get("workers", {}).get(worker)
+                if w is not None:
+                    state = f"registered ({w.get('state')}), not heard by the meta leader yet"
+                if view.get("served_by") == leader and w is not None and w.get("live") is True:
+                    return str(leader)
+                led = next((n for n in view.get("meta", []) if n.get("id") == leader), None)
+                if led is not None and led.get("http") and view.get("served_by") != leader:
+                    client.prefer(str(led["http"]))
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{worker} is {state} after {deadline_s:.0f} s")

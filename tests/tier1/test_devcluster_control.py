@@ -70,7 +70,7 @@ def test_ps_kill_start_and_add(served: tuple[Path, list[Child]], capsys: pytest.
     old = children[0].pid
     assert run_client(data, "start", "w1", "KILL") == 0
     assert children[0].alive() and children[0].pid != old
-    assert run_client(data, "add-worker", None, "KILL", ram="8GB") == 0
+    assert run_client(data, "add-worker", None, "KILL", ram="8GB", wait_live=False) == 0
     assert "started w3" in capsys.readouterr().out and len(children) == 3
     assert children[2].argv[-2:] == ["--available-ram", "8GB"]
     assert run_client(data, "add-worker", None, "KILL", ram="8 lightyears") == 2

@@ -157,6 +157,7 @@ def test_shardgrid_dev_starts_serves_and_stops(tmp_path: Path) -> None:
                    next(ln for ln in dev("ps").stdout.splitlines() if ln.startswith("w1")), 10, "w1 running again")
         added = dev("add-worker", "--available-ram", "8GB")
         assert added.returncode == 0 and "started w4" in added.stdout, added.stdout + added.stderr
+        assert "w4 is registered and live (heard by meta leader m" in added.stdout, added.stdout
         wait_until(lambda: (w := http_json("GET", "http://127.0.0.1:7101/v1/cluster", timeout=2)[1]["workers"]
                             .get("w4", {})).get("state") == "available" and w.get("ram_bytes") == 8 * 10**9, 30,
                    "w4 to register as available with 8 GB of RAM")
