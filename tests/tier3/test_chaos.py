@@ -9,8 +9,10 @@ cluster and checks (a) every acknowledged write is present exactly once and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -496,3 +498,112 @@ def test_11_drain_a_worker_under_load(tmp_path: Path) -> None:
         judge(c, result, "drain")
     finally:
         c.close()
+
+
+def _waiting_at(addr: str) -> dict[int, int]:
+    """Connections accepted on the local `addr` (host:port), by the client's port: the bytes
+    waiting in each one's receive queue (/proc/net/tcp). A stopped process's listener still
+    completes handshakes and buffers what arrives."""
+    port = int(addr.rsplit(":", 1)[1])
+    out = {}
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local, remote, state, queues = fields[1], fields[2], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and state == "01":  # ESTABLISHED
+                out[int(remote.split(":")[1], 16)] = int(queues.split(":")[1], 16)
+    return out
+
+
+def test_12_a_paused_leader_resumes_fenced(cluster: Cluster) -> None:
+    """A leader paused (SIGSTOP, as a GC pause or a stalled VM) past its lease loses
+    its leadership to a failover while load runs. When it resumes it still believes
+    it leads: what it answers straight away must be safe. Strong reads sent to it
+    directly never return the value the new leader overwrote, a write it
+    acknowledges is never lost, and it rejoins as a follower of the new term."""
+    c = cluster
+    gw = f"http://{c.gateways[0]}"
+    key = next(k for k in (f"paused-{i}" for i in itertools.count()) if shard_for(k, 3) == 0)
+    assert http_json("PUT", f"{gw}/items/{key}", {"v": 1}, timeout=5)[0] == 200
+    old_term, victim = leaders(c)["0"]
+    pid = c.children[victim].pid
+    addr = c.worker_addr(victim)
+    member = c.member()
+    answers: dict[str, int] = {}
+    stale: list[Any] = []
+    direct_acked: list[str] = []
+    load = Background(LoadGenerator(c.gateways, clients=6, ops_per_client=100_000, seed=121))
+    try:
+        load.wait_more(200)
+        os.kill(pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        wait_until(lambda: (g := c.view()["groups"]["0"])["leader"] != victim and g["ready"], 10,
+                   f"group 0 to fail over from the paused {victim}", interval=0.05)
+        failover_s = time.monotonic() - paused
+        new_term = c.view()["groups"]["0"]["term"]
+        code, body = http_json("PUT", f"{gw}/items/{key}", {"v": 2}, timeout=5)
+        assert code == 200, body
+        read = {"query": {"kind": "get_item", "id": key}, "consistency": "strong"}
+        code, fresh = member.json("POST", f"http://{c.worker_addr(c.view()['groups']['0']['leader'])}"
+                                  "/v1/groups/0/read", read, timeout=3)
+        assert code == 200, fresh
+        load.wait_more(200)
+
+        def direct(i: int) -> None:
+            """One strong read and one write straight at the old leader."""
+            http = c.member()  # one per thread: its connections are not shared
+            wkey = next(k for k in (f"{key}-direct-{i}-{j}" for j in itertools.count()) if shard_for(k, 3) == 0)
+            for what, path, body in (("read", "read", read),
+                                     ("write", "write", {"op": {"kind": "put_item", "id": wkey, "doc": {"i": i}}})):
+                try:
+                    code, answer = http.json("POST", f"http://{addr}/v1/groups/0/{path}", body, timeout=5)
+                except OSError as exc:
+                    tally(f"{what} {type(exc).__name__}")
+                    continue
+                tally(f"{what} {code} {answer.get('error', {}).get('code', '')}".rstrip())
+                if what == "read" and code == 200 and answer["result"] != fresh["result"]:
+                    stale.append(answer)
+                if what == "write" and code == 200:
+                    direct_acked.append(wkey)
+
+        lock = threading.Lock()
+
+        def tally(what: str) -> None:
+            with lock:
+                answers[what] = answers.get(what, 0) + 1
+        # Calls queued while it is stopped (the kernel accepts and buffers them)
+        # meet it the moment it resumes, next to the messages of the new term;
+        # then calls for a few seconds after.
+        before = set(_waiting_at(addr))
+        queued = [threading.Thread(target=direct, args=(i,), daemon=True) for i in range(8)]
+        for t in queued:
+            t.start()
+        wait_until(lambda: sum(1 for p, n in _waiting_at(addr).items() if p not in before and n > 0) >= len(queued),
+                   5, "the queued calls to wait in the stopped leader's sockets")
+        os.kill(pid, signal.SIGCONT)
+        for t in queued:
+            t.join(10)
+        end = time.monotonic() + 2.0
+        for i in itertools.count(len(queued)):
+            if time.monotonic() > end:
+                break
+            direct(i)
+        assert not stale, f"the resumed old leader served stale strong reads: {stale[:3]}"
+
+        def follows() -> bool:
+            g = c.worker_status(victim)["groups"]["0"]
+            return g["term"] >= new_term and g["role"] != "leader"
+        wait_until(follows, 10, f"{victim} to rejoin group 0 as a follower of term {new_term}", interval=0.1)
+        load.wait_more(100)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        result = load.finish()
+    for wkey in direct_acked:
+        code, body = http_json("GET", f"{gw}/items/{wkey}", timeout=5)
+        assert code == 200, f"{wkey}, acknowledged by the resumed old leader, is lost: {code} {body}"
+    assert http_json("GET", f"{gw}/items/{key}", timeout=5) == (200, {"v": 2})
+    judge(c, result, "paused-leader", f"terms {old_term}->{new_term} failover={failover_s:.2f}s "
+                                      f"direct={answers} direct_acked={len(direct_acked)}")
