@@ -159,6 +159,18 @@ class SoftState:
     def know(self, worker: str, now_ms: int) -> None:
         self.first_known_ms.setdefault(worker, now_ms)
 
+    def stood_still(self, now_ms: int) -> None:
+        """This meta leader did not run for a while (paused, starved of CPU): what it
+        heard is old, and heartbeats that waited in its sockets meanwhile are not read
+        yet. Judged by their age, every worker would look silent and every follower
+        cut off from its leader. So it starts over as a newly elected leader does
+        (no worker declared dead for a lease from now), keeping its decision holds
+        (isolation and balance windows, refusals) so that no move repeats inside them."""
+        self.leader_since_ms = now_ms
+        self.workers.clear()
+        self.first_known_ms.clear()
+        self.failed_since_ms.clear()
+
     def note_operators(self, keys: Sequence[tuple[int, str, str]], now_ms: int) -> None:
         """Start the clock of each operator in progress (group, kind, worker); forget the ended ones."""
         live = set(keys)

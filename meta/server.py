@@ -54,6 +54,12 @@ COMMAND_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 10.0
 WORKER_CALL_TIMEOUT_S = 5.0
 CONTROLLER_PERIOD_S = 0.1
+# The meta leader's event loop standing still for more than lease_ms // STALL_LEASE_SHARE
+# (a paused process, a starved one) makes what it heard old (SoftState.stood_still).
+# A 1.3 s pause of the meta leader once failed every group over: on waking, the
+# followers' reported silence, grown by their reports' age, read as cut-off leaders.
+STALL_LEASE_SHARE = 3
+STALL_CHECK_S = 0.05
 # A group moved back to its preferred leader is not moved again for this
 # long, doubled after each move that did not leave it with its preferred
 # leader (up to REBALANCE_BACKOFF_MAX_MS): a move that keeps failing (the
@@ -137,7 +143,11 @@ class MetaServer:
                                    "hot_leader, shed, refused) and reason (a failover's cause, an operator's "
                                    "add/remove, hot relief's latency/load/remove, a refusal's reason or timeout)",
                                    ["kind", "reason"], registry=reg)
+        self.c_stalls = Counter("shardgrid_meta_leader_stalls", "times this meta leader's event loop stood "
+                                "still long enough (paused, starved) to start over as if newly elected",
+                                registry=reg)
         self._controller_task: asyncio.Task[None] | None = None
+        self._stalled_ms = 0  # the longest the event loop stood still since the last controller pass
         self._session: aiohttp.ClientSession | None = None
         # Groups with a call to their leader in flight (one at a time per group).
         self._busy_groups: set[int] = set()
@@ -769,18 +779,42 @@ class MetaServer:
     # -- controller -------------------------------------------------------------------
 
     async def _controller_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        watchdog = asyncio.create_task(self._watch_stalls())
+        try:
+            while True:
+                start = loop.time()
+                await asyncio.sleep(CONTROLLER_PERIOD_S)
+                self._note_stall(loop.time() - start - CONTROLLER_PERIOD_S)
+                stalled_ms, self._stalled_ms = self._stalled_ms, 0
+                if not self.raft.is_leader():
+                    self.soft = None
+                    continue
+                if self.soft is None:
+                    self.soft = SoftState(leader_since_ms=_now_ms())
+                    self.log.info("meta_leader_elected", waiting_lease_ms=self._lease_ms())
+                elif stalled_ms > self._lease_ms() // STALL_LEASE_SHARE:
+                    self.soft.stood_still(_now_ms())
+                    self.c_stalls.inc()
+                    self.log.warning("meta_leader_stalled", stalled_ms=stalled_ms, waiting_lease_ms=self._lease_ms())
+                try:
+                    await self._controller_pass()
+                except ApiError as err:
+                    self.log.warning("controller_action_failed", code=err.code, message=err.message)
+        finally:
+            watchdog.cancel()
+
+    async def _watch_stalls(self) -> None:
+        """Measure how long the event loop stands still, also while a controller
+        pass awaits a commit (its own sleep measures only the time between passes)."""
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(CONTROLLER_PERIOD_S)
-            if not self.raft.is_leader():
-                self.soft = None
-                continue
-            if self.soft is None:
-                self.soft = SoftState(leader_since_ms=_now_ms())
-                self.log.info("meta_leader_elected", waiting_lease_ms=self._lease_ms())
-            try:
-                await self._controller_pass()
-            except ApiError as err:
-                self.log.warning("controller_action_failed", code=err.code, message=err.message)
+            start = loop.time()
+            await asyncio.sleep(STALL_CHECK_S)
+            self._note_stall(loop.time() - start - STALL_CHECK_S)
+
+    def _note_stall(self, late_s: float) -> None:
+        self._stalled_ms = max(self._stalled_ms, int(late_s * 1000))
 
     async def _controller_pass(self) -> None:
         assert self.soft is not None

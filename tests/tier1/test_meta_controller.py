@@ -451,3 +451,26 @@ def test_the_snapshot_message_changes_in_5_percent_steps_only() -> None:
     assert snapshot_message("w4", 3_999_999_999, total, False).endswith("(95%)")
     assert snapshot_message("w4", total, total, False).endswith("4 GB of 4 GB (100%)")
     assert snapshot_message("w4", 10, 0, False).endswith("(100%)")  # a zero size does not divide by zero
+
+
+def test_a_meta_leader_that_stood_still_judges_nobody_on_what_it_heard_before() -> None:
+    """Woken from a 1.3 s pause, the meta leader's reports are old: the followers'
+    silence, grown by the reports' age, reads as a cut-off leader in every group and
+    the leaders as silent. After `stood_still` nobody is judged for a lease."""
+    heard, woke = 10_000, 11_300
+    soft = SoftState(leader_since_ms=0)
+    for wid in ("w1", "w2", "w3"):
+        soft.heard_from(wid, heard, {gid: GroupReport(term=5, last_term=5, last_seq=50, commit=50,
+                                                      role="leader" if gid == int(wid[1]) - 1 else "follower",
+                                                      leader_silence_ms=None if gid == int(wid[1]) - 1 else 300)
+                                     for gid in range(3)})
+    soft.isolation_moved_ms[1] = heard - 100
+    assert {a.group for a in decide(groups(), soft, woke, LEASE)} == {0, 2}  # group 1 is held: isolation window
+    soft.stood_still(woke)
+    assert decide(groups(), soft, woke, LEASE) == []
+    assert decide(groups(), soft, woke + LEASE - 1, LEASE) == []
+    assert soft.isolation_moved_ms == {1: heard - 100}  # the decision holds are kept
+    # A worker still silent a lease after waking is judged as before.
+    soft.heard_from("w2", woke + 200, {0: GroupReport(term=5, last_term=5, last_seq=50)})
+    soft.heard_from("w3", woke + 200, {0: GroupReport(term=5, last_term=5, last_seq=50)})
+    assert [a.group for a in decide(groups(), soft, woke + LEASE, LEASE)] == [0]

@@ -607,3 +607,32 @@ def test_12_a_paused_leader_resumes_fenced(cluster: Cluster) -> None:
     assert http_json("GET", f"{gw}/items/{key}", timeout=5) == (200, {"v": 2})
     judge(c, result, "paused-leader", f"terms {old_term}->{new_term} failover={failover_s:.2f}s "
                                       f"direct={answers} direct_acked={len(direct_acked)}")
+
+
+def test_13_a_paused_meta_leader_moves_no_group(cluster: Cluster) -> None:
+    """The meta leader SIGSTOPped for 1.3 s (under the lease, over Raft's election
+    timeout), three times under load: on waking, the heartbeats it heard are old.
+    It must not judge healthy workers on them (it once failed every group over):
+    no group changes term, no client error, nothing lost."""
+    c = cluster
+    before = leaders(c)
+    load = Background(LoadGenerator(c.gateways, clients=6, ops_per_client=100_000, seed=131))
+    metas: list[str] = []
+    try:
+        load.wait_more(200)
+        for _ in range(3):
+            leader = c.wait_leader([m.id for m in c.meta])
+            metas.append(leader)
+            pid = c.children[leader].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.3)  # the fault itself: how long the process stands still
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            # A lease and more for a wrong judgement to show, while load runs.
+            load.wait_more(300)
+            assert leaders(c) == before, f"a pause of meta leader {leader} moved groups: {before} -> {leaders(c)}"
+    finally:
+        result = load.finish()
+    assert sum(result.errors.values()) == 0, f"client-visible errors: {result.errors}"
+    judge(c, result, "paused-meta-leader", f"paused {metas}")
