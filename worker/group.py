@@ -716,6 +716,8 @@ class GroupShell:
     async def _perform(self, effects: list[m.Effect]) -> None:
         first = next((i for i, e in enumerate(effects) if type(e) is m.Persist), None)
         if first is None:
+            # Every earlier pass's Persists are durable: passes are performed in turn.
+            self._end_resync()
             self._perform_in_order(effects)
             return
         if first:
@@ -738,8 +740,12 @@ class GroupShell:
             self._persist_all(persists)
         if any(p.entries for p in persists):
             self.persist.observe((time.perf_counter() - self._pass_arrived) * 1000)
+        self._end_resync()  # what the core re-synced on is durable now (persisted above)
+        self._perform_in_order(effects[first:])
+
+    def _end_resync(self) -> None:
+        """Remove the RESYNC marker once the core no longer re-syncs."""
         if self._resync_marker is not None and self.replica is not None and not self.replica.resyncing:
-            # What the core re-synced on is durable now (persisted above).
             self.storage.unlink(self._resync_marker, missing_ok=True)
             # Durably: a removal a power loss undoes makes the replica
             # re-sync again and withhold its vote meanwhile, and with one
@@ -747,7 +753,6 @@ class GroupShell:
             self.storage.fsync_dir(self._resync_marker.parent)
             self._resync_marker = None
             self.log.info("resync_complete", last_seq=self.replica.last_seq)
-        self._perform_in_order(effects[first:])
 
     def _pool(self) -> Executor:
         if self._persist_pool is None:

@@ -1268,6 +1268,15 @@ class Replica:
             return
         # The leader sends min(commit, our match), which our log holds.
         self._learn_commit(min(m.commit, self.last_seq))
+        if self._resyncing and 0 < m.commit <= self.last_seq and self.term_at(m.commit) == m.term:
+            # As in _on_append: our entry at the leader's commit is of its term,
+            # so (log matching: a term's entries come from its one leader) our log
+            # up to there is the leader's, term-start entry included, and all of
+            # it was persisted in an earlier pass. Without this, a replica whose
+            # catch-up ended with an Append that carried an older commit stayed
+            # re-syncing (no vote, no lead) until the next write: an idle group
+            # kept it out for good (shell simulator seed 1282).
+            self._resyncing = False
         self._send(HeartbeatReply(src=self._id, dst=m.src, group=self._group, term=self._term, round=m.round))
 
     def _on_heartbeat_reply(self, m: HeartbeatReply) -> None:

@@ -649,8 +649,8 @@ class Sim:
             self.stats["crash_before_fsync"] += 1
             self.crash(node)
             return
-        if node.pending:
-            self.fsync(node)
+        # With nothing pending, every earlier Persist is durable: the resync marker may go.
+        self.fsync(node)
 
     def fsync(self, node: Node) -> None:
         for p in node.pending:

@@ -53,3 +53,36 @@ def test_a_ready_leader_brings_it_back_and_it_votes_again() -> None:
     c.handle(MetaView(term=3, leader="b", voters=VOTERS), net.now)
     out = c.handle(Begin(src="b", dst="c", group=0, term=3), net.now)
     assert sent(out, BeginOk), "a re-synced replica answers Begin again"
+
+
+def test_an_idle_group_brings_it_back_without_a_write() -> None:
+    """The Append that carried the term-start entry to it carried an older commit;
+    the leader's heartbeats carry the newer one: they end the re-sync, not the next
+    write (shell simulator seed 1282: an idle group kept a replica out for good)."""
+    log = [op(1, 1), op(1, 2), op(1, 3)]
+    # c kept entries 1-3 (a snapshot it re-synced from, say): the Append of the
+    # term-start entry needs no back-off, so it leaves before that entry commits.
+    net = Net({"a": StoredState(term=1, entries=list(log), commit=3), "b": StoredState(term=1, entries=list(log)),
+               "c": StoredState(term=1, entries=list(log), resync=True)})
+    for n in VOTERS:
+        net.do(n, MetaView(term=2, leader="a", voters=VOTERS))
+    net.run()
+    for _ in range(10):
+        net.now += 100
+        for n in VOTERS:
+            net.do(n, Tick())
+        net.run()
+    a, c = net.r["a"], net.r["c"]
+    assert a.ready and c.last_seq == a.last_seq == 4 and c.term_at(4) == 2
+    assert not c.resyncing
+    c.handle(MetaView(term=3, leader="b", voters=VOTERS), net.now)
+    assert sent(c.handle(Begin(src="b", dst="c", group=0, term=3), net.now), BeginOk)
+
+
+def test_a_heartbeat_at_an_older_terms_entry_does_not_end_the_re_sync() -> None:
+    from worker.replica_msgs import Heartbeat
+
+    r = Net({"c": StoredState(term=2, entries=[op(1, 1), op(1, 2)], resync=True)}).r["c"]
+    r.handle(MetaView(term=2, leader="a", voters=VOTERS), 1000)
+    r.handle(Heartbeat(src="a", dst="c", group=0, term=2, commit=2, round=1), 1000)
+    assert r.resyncing  # entry 2 is of term 1: it may not be the leader's
