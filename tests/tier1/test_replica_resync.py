@@ -27,56 +27,54 @@ def test_resyncing_replica_refuses_to_lead() -> None:
     assert sent(out, Begin) == [] and r.role != "leader" and r.term == 4
 
 
-def test_a_ready_leader_brings_it_back_and_it_votes_again() -> None:
+def _term_2_led_by_a(c: StoredState) -> Net:
+    """a and b hold entries 1-3 of term 1; meta names a leader of term 2; `c` re-syncs."""
     log = [op(1, 1), op(1, 2), op(1, 3)]
     net = Net({"a": StoredState(term=1, entries=list(log), commit=3), "b": StoredState(term=1, entries=list(log)),
-               "c": StoredState(term=1, resync=True)})
+               "c": c})
     for n in VOTERS:
         net.do(n, MetaView(term=2, leader="a", voters=VOTERS))
     net.run()
-    for _ in range(5):
+    _tick(net, 5)
+    return net
+
+
+def _tick(net: Net, times: int) -> None:
+    for _ in range(times):
         net.now += 100
         for n in VOTERS:
             net.do(n, Tick())
         net.run()
+
+
+def _votes_again(c: Any, now: int) -> bool:
+    c.handle(MetaView(term=3, leader="b", voters=VOTERS), now)
+    return bool(sent(c.handle(Begin(src="b", dst="c", group=0, term=3), now), BeginOk))
+
+
+def test_a_ready_leader_brings_it_back_and_it_votes_again() -> None:
+    net = _term_2_led_by_a(StoredState(term=1, resync=True))
     assert net.r["a"].ready
     net.do("a", ClientWrite("w1", {"x": 1}, "quorum", "rid-1"))
     net.run()
-    for _ in range(5):
-        net.now += 100
-        for n in VOTERS:
-            net.do(n, Tick())
-        net.run()
+    _tick(net, 5)
     assert any(isinstance(e, Reply) and e.ok for e in net.effects["a"])
     c = net.r["c"]
     assert c.last_seq == net.r["a"].last_seq and not c.resyncing
-    c.handle(MetaView(term=3, leader="b", voters=VOTERS), net.now)
-    out = c.handle(Begin(src="b", dst="c", group=0, term=3), net.now)
-    assert sent(out, BeginOk), "a re-synced replica answers Begin again"
+    assert _votes_again(c, net.now), "a re-synced replica answers Begin again"
 
 
 def test_an_idle_group_brings_it_back_without_a_write() -> None:
     """The Append that carried the term-start entry to it carried an older commit;
     the leader's heartbeats carry the newer one: they end the re-sync, not the next
     write (shell simulator seed 1282: an idle group kept a replica out for good)."""
-    log = [op(1, 1), op(1, 2), op(1, 3)]
     # c kept entries 1-3 (a snapshot it re-synced from, say): the Append of the
     # term-start entry needs no back-off, so it leaves before that entry commits.
-    net = Net({"a": StoredState(term=1, entries=list(log), commit=3), "b": StoredState(term=1, entries=list(log)),
-               "c": StoredState(term=1, entries=list(log), resync=True)})
-    for n in VOTERS:
-        net.do(n, MetaView(term=2, leader="a", voters=VOTERS))
-    net.run()
-    for _ in range(10):
-        net.now += 100
-        for n in VOTERS:
-            net.do(n, Tick())
-        net.run()
+    net = _term_2_led_by_a(StoredState(term=1, entries=[op(1, 1), op(1, 2), op(1, 3)], resync=True))
+    _tick(net, 5)
     a, c = net.r["a"], net.r["c"]
     assert a.ready and c.last_seq == a.last_seq == 4 and c.term_at(4) == 2
-    assert not c.resyncing
-    c.handle(MetaView(term=3, leader="b", voters=VOTERS), net.now)
-    assert sent(c.handle(Begin(src="b", dst="c", group=0, term=3), net.now), BeginOk)
+    assert not c.resyncing and _votes_again(c, net.now)
 
 
 def test_a_heartbeat_at_an_older_terms_entry_does_not_end_the_re_sync() -> None:
