@@ -60,7 +60,7 @@ _SHAPES: dict[str, dict[str, str]] = {
                    "hint_term": _INT},
     "Append": {"prev_term": _INT, "prev_seq": _INT, "entries": _ENTRIES, "commit": _INT},
     "AppendReply": {"ok": _BOOL, "prev_seq": _INT, "match": _INT, "hint_seq": _INT, "hint_term": _INT},
-    "Heartbeat": {"commit": _INT, "round": _INT},
+    "Heartbeat": {"commit": _INT, "round": _INT, "leader_commit": _OPT_INT},
     "HeartbeatReply": {"round": _INT, "commit": _OPT_INT},
     "SnapshotNeeded": {"snap_term": _INT, "snap_seq": _INT, "digest": _OPT_DIGEST, "size": _OPT_INT},
 }

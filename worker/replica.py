@@ -1268,14 +1268,19 @@ class Replica:
             return
         # The leader sends min(commit, our match), which our log holds.
         self._learn_commit(min(m.commit, self.last_seq))
-        if self._resyncing and 0 < m.commit <= self.last_seq and self.term_at(m.commit) == m.term:
-            # As in _on_append: our entry at the leader's commit is of its term,
-            # so (log matching: a term's entries come from its one leader) our log
-            # up to there is the leader's, term-start entry included, and all of
-            # it was persisted in an earlier pass. Without this, a replica whose
-            # catch-up ended with an Append that carried an older commit stayed
-            # re-syncing (no vote, no lead) until the next write: an idle group
-            # kept it out for good (shell simulator seed 1282).
+        lc = m.leader_commit
+        if self._resyncing and lc is not None and 0 < lc <= self.last_seq and self.term_at(lc) == m.term:
+            # As in _on_append, but on the leader's own commit, not `commit`: that
+            # one is clamped to the match the leader holds for us, which may be
+            # far below what we acknowledged before we lost our log (shell
+            # simulator seed 1045 ended a re-sync on it and lost committed
+            # entries). Our entry at the leader's commit is of its term, so (log
+            # matching: a term's entries come from its one leader) our log up to
+            # there is the leader's, every committed entry included, persisted in
+            # an earlier pass. Without this, a replica whose catch-up ended with
+            # an Append that carried an older commit stayed re-syncing (no vote,
+            # no lead) until the next write: an idle group kept it out for good
+            # (shell simulator seed 1282).
             self._resyncing = False
         self._send(HeartbeatReply(src=self._id, dst=m.src, group=self._group, term=self._term, round=m.round))
 
@@ -1315,7 +1320,8 @@ class Replica:
                 pr.told_at = self._now
             self._send(
                 Heartbeat(
-                    src=self._id, dst=peer, group=self._group, term=self._term, commit=commit, round=lead.read_round
+                    src=self._id, dst=peer, group=self._group, term=self._term, commit=commit, round=lead.read_round,
+                    leader_commit=self._commit,
                 )
             )
 

@@ -222,8 +222,11 @@ class AppendReply(Message):
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class Heartbeat(Message):
-    commit: int
+    commit: int  # min(the leader's commit, the follower's match): what the follower may learn
     round: int  # read-index confirmation round (0 = none yet)
+    # The leader's own commit, unclamped: a re-syncing follower that holds it at
+    # the leader's term holds every committed entry (None from an older sender).
+    leader_commit: int | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

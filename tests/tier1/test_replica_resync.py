@@ -77,10 +77,25 @@ def test_an_idle_group_brings_it_back_without_a_write() -> None:
     assert not c.resyncing and _votes_again(c, net.now)
 
 
-def test_a_heartbeat_at_an_older_terms_entry_does_not_end_the_re_sync() -> None:
+def test_a_heartbeat_ends_a_re_sync_only_on_the_leaders_own_commit() -> None:
+    """`commit` is clamped to the match the leader holds for us, which may be far
+    below what we acknowledged before we lost our log (shell simulator seed 1045:
+    a re-sync ended on it, and committed entries were lost)."""
     from worker.replica_msgs import Heartbeat
 
-    r = Net({"c": StoredState(term=2, entries=[op(1, 1), op(1, 2)], resync=True)}).r["c"]
-    r.handle(MetaView(term=2, leader="a", voters=VOTERS), 1000)
-    r.handle(Heartbeat(src="a", dst="c", group=0, term=2, commit=2, round=1), 1000)
-    assert r.resyncing  # entry 2 is of term 1: it may not be the leader's
+    def replica() -> Any:
+        r = Net({"c": StoredState(term=2, entries=[op(1, 1), op(2, 2), op(2, 3)], resync=True)}).r["c"]
+        r.handle(MetaView(term=2, leader="a", voters=VOTERS), 1000)
+        return r
+
+    def beat(commit: int, leader_commit: int | None) -> Heartbeat:
+        return Heartbeat(src="a", dst="c", group=0, term=2, commit=commit, round=1, leader_commit=leader_commit)
+
+    r = replica()
+    r.handle(beat(3, None), 1000)  # an older leader sends no leader_commit
+    r.handle(beat(3, 9), 1000)  # the leader committed up to 9: we lack 4-9
+    assert r.resyncing
+    r.handle(beat(1, 1), 1000)  # entry 1 is of term 1: it need not be the leader's
+    assert r.resyncing
+    r.handle(beat(3, 3), 1000)
+    assert not r.resyncing
