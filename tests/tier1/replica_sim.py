@@ -683,9 +683,13 @@ class Sim:
         if self.rng.random() < 0.08 and len(self.m_voters) >= 3 and settled and \
                 not any(n.disk.resync for n in self.nodes.values()):
             # The WAL came back corrupt: the shell discards the log, keeps
-            # the term, and the replica re-syncs without voting.
+            # the term and its last snapshot (worker/group.py), and the replica
+            # re-syncs without voting. With the snapshot it may hold a prefix of
+            # the leader's log at the leader's term and still lack entries it
+            # acknowledged.
             d = node.disk
-            node.disk = Disk(term=d.term, resync=True)
+            snap = d.snapshot if self.rng.random() < 0.5 else None
+            node.disk = Disk(term=d.term, snapshot=snap, commit=snap.seq if snap else 0, resync=True)
             self.stats["crash_disk_lost"] += 1
         node.replica = None
         node.inc += 1
