@@ -28,9 +28,19 @@ What is modelled
 * snapshot downloads from a peer's archive on its simulated disk, with
   answers cut short, a source that is busy, and one that flips a byte;
 * meta: a term and leader changed only by compare-and-set, failover to a
-  live voter (the most up-to-date one, or any), views delayed and lost;
-  leader transfers asked of the leader, handed over by the leader's own
-  compare-and-set (delayed, sometimes lost, refused once the term moved);
+  live voter it has recorded (the most up-to-date one, or any), views
+  delayed and lost; leader transfers asked of the leader, handed over by
+  the leader's own compare-and-set (delayed, sometimes lost, refused once
+  the term moved or to a worker that is no voter);
+* membership: spare workers that host no replica at first; meta's staged
+  operators one step at a time through the leader's `change_members`
+  (answered, refused or timed out like the worker's members route): add a
+  learner, promote it once caught up (often by a snapshot download),
+  remove a voter (the leader handing over first; a live majority and three
+  voters left) or a learner; meta records a membership the leader reports
+  committed (voters, learners, conf_ver) and its views carry it; a worker
+  opens a replica meta places on it and drops one meta no longer names,
+  its data moved aside (added again, it starts empty);
 * clients: unique writes with request ids, acknowledged at quorum or all,
   retried with the same rid after a timeout or a not_leader.
 
@@ -43,8 +53,10 @@ Invariants (tests/support/sim_checks.py, plus what only this simulator sees)
 * a replica never stops on anything but its disk (a failed group that did
   not fail on an OSError is a bug);
 * at the end, with every fault healed, the group converges and every
-  replica holds the same items: each acknowledged write, nothing else
-  that was not committed.
+  member (voter or learner) holds the same items: each acknowledged write,
+  nothing else that was not committed; a replica removed from the group
+  holds nothing that was not committed either (checked when its worker
+  drops it, or at the end if it has not).
 
 `SHARDGRID_SIM_PLANT=NAME` (or `plant=`) runs a known bug instead (see
 PLANTS); the simulator must catch it.
@@ -66,6 +78,7 @@ from typing import Any, NoReturn
 
 import structlog
 
+from meta.controller import CATCH_UP_LAG
 from tests.support.sim_checks import CommittedLog, SimViolation
 from tests.support.sim_loop import InlineExecutor, VirtualTimeLoop
 from tests.support.sim_storage import SimCrash, SimStorage
@@ -73,6 +86,7 @@ from worker import replica_msgs as m
 from worker.codec import decode_message, encode_message
 from worker.group import RESYNC_MARKER, GroupSettings, GroupShell, ShellRuntime
 from worker.plugins.base import NotFound, load_plugin
+from worker.server import DEFAULT_TIMEOUT_S  # what the members route gives a change
 from worker.snapshot_fetch import FetchFailed, RangeBody, SourceBusy
 from worker.wal import _HEADER, _SEGMENT_RE, HEADER_BYTES  # the sim walks records to damage one
 
@@ -111,6 +125,8 @@ class Params:
     snapshot_ratio: float  # GroupSettings.snapshot_state_ratio: 0 snapshots at every point
     short_write: float  # chance per write that it is short (then half the time the next one fails ENOSPC)
     transfer: float  # of strikes, how many ask the leader to hand its leadership to another node
+    spare: int  # nodes beyond the voters: workers that host no replica until an operator adds one
+    members: float  # of strikes, how many take one step of a staged membership change
 
 
 def draw_params(rng: random.Random) -> Params:
@@ -139,6 +155,8 @@ def draw_params(rng: random.Random) -> Params:
         snapshot_ratio=rng.choice((0.0, 0.5)),
         short_write=rng.choice((0.0, 0.0, 0.002, 0.02)),
         transfer=rng.choice((0.0, 0.1, 0.3)),
+        spare=rng.choice((0, 1, 1)),
+        members=rng.choice((0.0, 0.15, 0.3)),
     )
 
 
@@ -151,6 +169,10 @@ class SimNode:
     storage: SimStorage
     scratch: Path
     shell: SimShell | None = None
+    # The worker holds a replica of the group (open, or to be reopened after
+    # a crash); False for a spare, and for a replica dropped once meta's view
+    # no longer names it (worker/process.py `_drop_group`).
+    hosted: bool = False
     up: bool = False
     inc: int = 0
     applied: int = 0  # the last seq this incarnation applied (or restored)
@@ -174,6 +196,8 @@ class SimShell(GroupShell):
         r = self.replica
         if r is not None and r.applied_seq > self.node.applied:
             self.sim.stats["snapshot_installed"] += 1
+            if self.node.name in self.sim.m_learners:
+                self.sim.stats["learner_snapshot_installed"] += 1  # a new replica catching up
             self.sim.log(f"INSTALLED {self.node.name} snapshot {r.applied_seq}")
             self.node.applied = r.applied_seq
         return effects
@@ -201,7 +225,8 @@ class _Hooks:
 
     async def meta_view(self, group: int) -> m.MetaView | None:
         await asyncio.sleep(self.sim.rng.randint(1, 20) / 1000)
-        return self.sim.view() if self.node.up else None
+        # The worker answers only for a group meta places on it (worker/process.py).
+        return self.sim.view() if self.node.up and self.sim.is_member(self.node.name) else None
 
 
 class _Transport:
@@ -364,24 +389,23 @@ class ShellSim:
         self.stats: Counter[str] = Counter()
         self.trace: list[str] = []  # its last lines (all of them with verbose)
         self.digest = 0  # of every line and every apply: equal digests, equal runs
-        self.names = [f"n{i}" for i in range(self.p.nodes)]
+        # Every worker, the spares last; the voters meta starts the group with first.
+        self.names = [f"n{i}" for i in range(self.p.nodes + self.p.spare)]
         self._scratch = Path(tempfile.mkdtemp(prefix="shellsim-"))
-        self.nodes = {n: SimNode(n, SimStorage(random.Random(self.rng.random())), self._scratch / n)
-                      for n in self.names}
-        for node in self.nodes.values():
-            node.storage.fsync_fail_rate = self.p.fsync_fail
-            node.storage.short_write_rate = self.p.short_write
-            # A failed fsync can leave a log damaged (a process that dies
-            # before the WAL cuts what the fsync forgot): one damaged log at
-            # a time, as for the simulator's own damage (see `restart`).
-            node.storage.may_fail = lambda node=node: not self.any_resyncing(besides=node)
+        self.calm = False
+        self.nodes = {n: SimNode(n, self.new_disk(n), self._scratch / n) for n in self.names}
         self.commits = CommittedLog(self.fail)
         self.cut: set[tuple[str, str]] = set()
         self.m_term = 0
         self.m_leader: str | None = None
         self.m_changed = 0.0
+        # The membership meta has recorded (meta/state.py `set_members`):
+        # conf_ver is the seq of its config entry, 0 for the bootstrap one.
+        self.m_voters: tuple[str, ...] = tuple(self.names[:self.p.nodes])
+        self.m_learners: tuple[str, ...] = ()
+        self.m_conf_ver = 0
+        self.m_call: str | None = None  # the membership change meta has asked of the leader and awaits
         self.ready: dict[int, str] = {}  # term -> the replica that reported itself its ready leader
-        self.calm = False
         self.written: dict[str, int] = {}  # item id -> the n its doc holds
         self.next_id = 0
         self.writers = 0  # client writes not yet answered for good
@@ -437,7 +461,22 @@ class ShellSim:
             self.loop.stop()
 
     def view(self) -> m.MetaView:
-        return m.MetaView(self.m_term, self.m_leader, tuple(self.names), (), 0)
+        return m.MetaView(self.m_term, self.m_leader, self.m_voters, self.m_learners, self.m_conf_ver)
+
+    def is_member(self, name: str) -> bool:
+        return name in self.m_voters or name in self.m_learners
+
+    def new_disk(self, name: str) -> SimStorage:
+        """The disk worker `name` holds the group on when it first opens it
+        (at the start, or after the replica it held was moved aside)."""
+        io = SimStorage(random.Random(self.rng.random()))
+        io.fsync_fail_rate = 0.0 if self.calm else self.p.fsync_fail
+        io.short_write_rate = 0.0 if self.calm else self.p.short_write
+        # A failed fsync can leave a log damaged (a process that dies
+        # before the WAL cuts what the fsync forgot): one damaged log at
+        # a time, as for the simulator's own damage (see `restart`).
+        io.may_fail = lambda: not self.any_resyncing(besides=self.nodes[name])
+        return io
 
     # -- run ------------------------------------------------------------------------
 
@@ -465,7 +504,8 @@ class ShellSim:
     async def _main(self) -> None:
         self.log(f"PARAMS {self.p}")
         for node in self.nodes.values():
-            self.start(node)
+            if self.is_member(node.name):
+                self.start(node)
         self.meta_cas(self.names[0])
         self.spawn(self.clients())
         self.spawn(self.nemesis())
@@ -478,8 +518,10 @@ class ShellSim:
             node.storage.fsync_fail_rate = 0.0
             node.storage.short_write_rate = 0.0
             node.storage.crash_hook = None
-            if not node.up:
+            if node.hosted and not node.up and self.is_member(node.name):
                 self.start(node)
+            elif node.hosted and not node.up:
+                self.forget(node)
         limit = self.now + 30_000
         # Every client gets its answer (retrying as it would), then the group settles.
         while self.writers or not self.converged():
@@ -489,15 +531,19 @@ class ShellSim:
         self.final_checks()
 
     def status(self) -> str:
-        parts = [f"meta term={self.m_term} leader={self.m_leader}"]
+        parts = [f"meta term={self.m_term} leader={self.m_leader} voters={self.m_voters} "
+                 f"learners={self.m_learners} conf_ver={self.m_conf_ver}"]
         for n in self.names:
             node = self.nodes[n]
             r = node.shell.replica if node.shell is not None else None
-            if not node.up or r is None:
+            if not node.hosted:
+                parts.append(f"{n}:not hosted")
+            elif not node.up or r is None:
                 parts.append(f"{n}:down")
             else:
                 parts.append(f"{n}:{r.role} t{r.term} last=({r.last_term},{r.last_seq}) c{r.commit_seq} "
-                             f"a{r.applied_seq} ready={r.ready} resync={r.resyncing} failed={node.shell.failed}")
+                             f"a{r.applied_seq} ready={r.ready} resync={r.resyncing} failed={node.shell.failed} "
+                             f"cfg@{r.config_seq}={r.voters}/{r.learners}")
         return " | ".join(parts)
 
     # -- nodes ----------------------------------------------------------------------
@@ -517,7 +563,7 @@ class ShellSim:
                          runtime=runtime)
         shell.sim, shell.node = self, node
         node.shell = shell
-        node.up = True
+        node.hosted = node.up = True
         damaged = node.damaged  # kept until an open gets through recovery: still on disk till then
         try:
             shell.open()
@@ -588,12 +634,17 @@ class ShellSim:
         self.loop.call_later(down, self.restart, node, power)
 
     def restart(self, node: SimNode, power: bool) -> None:
-        if node.up:
-            return
+        if node.up or not node.hosted:
+            return  # (not hosted: its worker dropped the replica meanwhile)
         if power:
             node.storage.power_loss(mode=self.rng.choice(self.p.power_modes))  # type: ignore[arg-type]
         else:
             node.storage.kill()
+        if not self.is_member(node.name):
+            # The restarted worker reads meta's view first: the replica was
+            # removed while it was down (worker/process.py `_drop_stale`).
+            self.forget(node)
+            return
         if not self.calm and self.rng.random() < self.p.corrupt and not self.any_resyncing():
             # One damaged log at a time: a second one before the first has
             # re-synced is a double fault a group of 3 may not survive
@@ -716,9 +767,51 @@ class ShellSim:
         if dst is not None and dst.up and dst.shell is not None and (msg.src, msg.dst) not in self.cut:
             dst.shell.deliver(msg)
 
-    def deliver_view(self, node: SimNode, view: m.MetaView | None = None) -> None:
-        if node.up and node.shell is not None:
-            node.shell.deliver(view or self.view())
+    def deliver_view(self, node: SimNode) -> None:
+        """Meta's view reaches `node`'s worker, which does with it what
+        worker/process.py `_apply_view` does: opens a replica meta now places
+        there, drops one meta no longer names, and hands the view to the rest."""
+        member = self.is_member(node.name)
+        if member and not node.hosted:
+            self.stats["members_opened"] += 1
+            self.log(f"OPEN {node.name}: meta places a replica here")
+            self.start(node)
+        elif not member and node.hosted:
+            if node.up:  # (a replica that is down is dropped when its worker restarts)
+                self.drop(node)
+        elif node.up and node.shell is not None:
+            node.shell.deliver(self.view())
+
+    def drop(self, node: SimNode) -> None:
+        """worker/process.py `_drop_group`: meta recorded a membership without
+        this replica: close it and move its data aside. What it applied so far
+        must have been committed (its later applies were checked as they came)."""
+        shell = node.shell
+        assert shell is not None
+        self.check_items(node.name, shell.plugin, complete=False)
+        node.up = False
+        for task in (shell._task, shell._download, shell._meta_check, *node.tasks):
+            if task is not None:
+                task.cancel()  # before anything else runs: no apply after this
+        node.storage.crash_hook = None
+        self.spawn(self._close(node, shell))
+        self.forget(node)
+
+    async def _close(self, node: SimNode, shell: SimShell) -> None:
+        try:
+            await shell.close()
+        except OSError as exc:  # the disk failed it: the worker logs that and drops the replica all the same
+            self.log(f"CLOSE {node.name} failed: {exc}")
+
+    def forget(self, node: SimNode) -> None:
+        """The worker holds no replica of the group any more: its data is
+        moved aside, so one added here again starts from an empty directory."""
+        self.stats["members_dropped"] += 1
+        self.log(f"DROP {node.name}: meta no longer places a replica here")
+        node.hosted = node.up = False
+        node.shell = None
+        node.damaged = None
+        node.storage = self.new_disk(node.name)
 
     # -- meta ------------------------------------------------------------------------
 
@@ -728,9 +821,30 @@ class ShellSim:
         self.m_changed = self.now
         self.stats["meta_cas"] += 1
         self.log(f"META term {self.m_term} leader {leader}")
+        self.publish()
+
+    def publish(self) -> None:
+        """Meta's new view reaches each worker's watch a little later, or not at all."""
         for node in self.nodes.values():
             if self.calm or self.rng.random() > 0.1:
                 self.loop.call_later(self.rng.randint(1, 30) / 1000, self.deliver_view, node)
+
+    def meta_record(self) -> None:
+        """meta/controller.py `record_members`: a membership the leader of
+        meta's current term reports as committed in its log (its config
+        entry's seq past meta's conf_ver, and at most its commit), recorded
+        by compare-and-set on conf_ver. Learned from the leader's reports
+        (heartbeats, now and then), not from the answer to the change, so a
+        change whose answer was lost is recorded too."""
+        leader = self.nodes.get(self.m_leader or "")
+        r = leader.shell.replica if leader is not None and leader.up and leader.shell is not None else None
+        if r is None or r.term != self.m_term or r.role != "leader":
+            return
+        if r.config_seq > self.m_conf_ver and r.config_seq <= r.commit_seq and r.voters:
+            self.m_voters, self.m_learners, self.m_conf_ver = tuple(r.voters), tuple(r.learners), r.config_seq
+            self.stats["members_recorded"] += 1
+            self.log(f"META members v{self.m_conf_ver} voters={self.m_voters} learners={self.m_learners}")
+            self.publish()
 
     async def meta_loop(self) -> None:
         while True:
@@ -738,12 +852,15 @@ class ShellSim:
             for node in self.nodes.values():
                 if self.rng.random() < 0.3:
                     self.deliver_view(node)
+            if self.rng.random() < 0.5:
+                self.meta_record()
             leader = self.nodes.get(self.m_leader or "")
             r = leader.shell.replica if leader is not None and leader.up and leader.shell is not None else None
             healthy = r is not None and r.ready and r.term == self.m_term and r.has_quorum
             if healthy or self.now - self.m_changed < 400:
                 continue
-            live = [n for n in self.names if self.nodes[n].up and self.nodes[n].shell is not None
+            # Meta names only a voter it has recorded (meta/controller.py `failover_candidate`).
+            live = [n for n in self.m_voters if self.nodes[n].up and self.nodes[n].shell is not None
                     and self.nodes[n].shell.replica is not None and self.nodes[n].shell.failed is None]
             if not live:
                 continue
@@ -757,7 +874,7 @@ class ShellSim:
     def meta_hand_over(self, sender: str, target: str, expect_term: int) -> None:
         """meta/server.py's set_leader for a transfer: only the leader of
         `expect_term` may name its successor, by compare-and-set."""
-        if self.m_term != expect_term or self.m_leader != sender:
+        if self.m_term != expect_term or self.m_leader != sender or target not in self.m_voters:
             self.stats["transfer_refused"] += 1
             self.log(f"HANDOVER {sender} -> {target} at term {expect_term} refused (meta term {self.m_term})")
             return
@@ -769,7 +886,10 @@ class ShellSim:
         leader = self.nodes.get(self.m_leader or "")
         if leader is None or not leader.up or leader.shell is None:
             return
-        target = self.rng.choice([n for n in self.names if n != leader.name])
+        others = [n for n in self.m_voters if n != leader.name]  # meta transfers to a voter only
+        if not others:
+            return
+        target = self.rng.choice(others)
         self.stats["transfer_asked"] += 1
         self.log(f"TRANSFER {leader.name} -> {target} asked")
         leader.shell.deliver(m.TransferLeader(target))
@@ -803,6 +923,8 @@ class ShellSim:
                 self.loop.call_later(rng.randint(100, 800) / 1000, self.heal, pairs)
             elif roll < self.p.outage_share + self.p.partition + self.p.transfer:
                 self.ask_transfer()
+            elif roll < self.p.outage_share + self.p.partition + self.p.transfer + self.p.members:
+                self.membership_step()
             else:
                 up = [n for n in self.names if self.nodes[n].up]
                 if up:
@@ -810,6 +932,96 @@ class ShellSim:
 
     def heal(self, pairs: set[tuple[str, str]]) -> None:
         self.cut -= pairs
+
+    # -- membership ------------------------------------------------------------------
+
+    def membership_step(self) -> None:
+        """One step of a staged membership change, taken as meta's operators
+        take it (meta/controller.py `advance_operator`; started by
+        meta/server.py `replicas`): add a worker as a learner; once it has
+        caught up, promote it; remove a voter, the leader handing its
+        leadership over first. Meta runs one operator per group, so while a
+        learner is on its way in, the step is about it."""
+        if self.m_call is not None:
+            return  # one membership call in progress per group
+        leader = self.nodes.get(self.m_leader or "")
+        if leader is None or self.ready.get(self.m_term) != leader.name or not leader.up:
+            return  # advance_operator waits for a ready leader
+        rng = self.rng
+        if self.m_learners:
+            who = self.m_learners[0]
+            if rng.random() < 0.2:
+                self.ask_members(leader, "remove", who)  # the add was cancelled: the learner goes
+            elif self.caught_up(who):
+                self.ask_members(leader, "promote", who)
+            return
+        outside = [n for n in self.names if not self.is_member(n) and self.worker_live(n)]
+        removable = [v for v in self.m_voters if self.may_remove(v)]
+        if outside and (not removable or rng.random() < 0.5):
+            self.ask_members(leader, "add_learner", rng.choice(outside))
+        elif removable:
+            who = rng.choice(removable)
+            if who != leader.name:
+                self.ask_members(leader, "remove", who)
+                return
+            # The leader cannot remove itself: the operator's `transfer` step
+            # moves the leadership to the live, most caught-up voter first.
+            others = [v for v in self.m_voters if v != who and self.nodes[v].up and self.nodes[v].shell is not None]
+            if others and leader.shell is not None:
+                target = max(others, key=self.position)
+                self.stats["members_transfer_first"] += 1
+                self.log(f"TRANSFER {who} -> {target} asked, to remove {who}")
+                leader.shell.deliver(m.TransferLeader(target))
+
+    def worker_live(self, name: str) -> bool:
+        """Meta hears the worker's heartbeats (a worker hosting no replica of
+        this group is not one the simulator crashes)."""
+        node = self.nodes[name]
+        return node.up or not node.hosted
+
+    def may_remove(self, voter: str) -> bool:
+        """meta/server.py `replicas`: the voters that remain must hold a live
+        majority. And at least three must remain: the fault model's one
+        damaged log at a time needs three voters (two cannot start a term
+        while one of them re-syncs, and one alone would lose it all)."""
+        remaining = [v for v in self.m_voters if v != voter]
+        live = [v for v in remaining if self.worker_live(v)]
+        return len(remaining) >= 3 and len(live) >= len(remaining) // 2 + 1
+
+    def caught_up(self, learner: str) -> bool:
+        """meta/controller.py `caught_up`: the learner has applied up to
+        CATCH_UP_LAG short of the leader's commit."""
+        lead, node = self.nodes.get(self.m_leader or ""), self.nodes[learner]
+        lr = lead.shell.replica if lead is not None and lead.up and lead.shell is not None else None
+        r = node.shell.replica if node.up and node.shell is not None else None
+        return lr is not None and r is not None and r.applied_seq >= lr.commit_seq - CATCH_UP_LAG
+
+    def ask_members(self, leader: SimNode, step: str, who: str) -> None:
+        self.m_call = f"{step} {who}"
+        self.stats[f"members_{step}_asked"] += 1
+        self.log(f"MEMBERS {step} {who} asked of {leader.name}")
+        # The worker's route dies with its process.
+        self.spawn(self.members_call(leader, step, who), leader)
+
+    async def members_call(self, node: SimNode, step: str, who: str) -> None:
+        """Meta's ChangeMembers: POST /v1/groups/{g}/members to the leader,
+        whose route (worker/server.py `members`) waits for the change to
+        commit, or answers an error, or `deadline_exceeded` (outcome unknown)."""
+        try:
+            await asyncio.sleep(self.rng.randint(1, 10) / 1000)
+            shell = node.shell
+            if not node.up or shell is None:
+                self.stats[f"members_{step}_unreachable"] += 1
+                return
+            out = await shell.change_members({step: who}, DEFAULT_TIMEOUT_S)
+        finally:
+            self.m_call = None
+        if out.ok:
+            self.stats[f"members_{step}"] += 1
+            self.log(f"MEMBERS {step} {who} committed at {out.seq}")
+        else:
+            self.stats[f"members_{step}_{out.error_code}"] += 1
+            self.log(f"MEMBERS {step} {who} refused: {out.error_code} {out.message or ''}")
 
     # -- clients ---------------------------------------------------------------------
 
@@ -853,13 +1065,19 @@ class ShellSim:
     # -- the end ---------------------------------------------------------------------
 
     def converged(self) -> bool:
+        """The leader meta names leads, has committed its whole log and a
+        configuration meta has recorded, and every member (voter or learner)
+        of that configuration holds and has applied all of it. A replica
+        removed from the group is left out: it may have stopped anywhere."""
         leader = self.nodes.get(self.m_leader or "")
         if leader is None or not leader.up or leader.shell is None:
             return False
         lr = leader.shell.replica
-        if lr is None or not lr.ready or lr.term != self.m_term or lr.commit_seq != lr.last_seq:
+        if lr is None or not lr.ready or lr.term != self.m_term or lr.commit_seq != lr.last_seq \
+                or lr.config_seq != self.m_conf_ver:
             return False
-        for node in self.nodes.values():
+        for name in (*lr.voters, *lr.learners):
+            node = self.nodes[name]
             r = node.shell.replica if node.up and node.shell is not None else None
             if r is None or r.last_seq != lr.last_seq or r.applied_seq != lr.last_seq or r.term != lr.term \
                     or r.resyncing:
@@ -867,26 +1085,33 @@ class ShellSim:
         return True
 
     def final_checks(self) -> None:
-        acked_items = {f"k{rid[1:]}" for rid in self.commits.acked}
-        committed = {f"k{rid[1:]}" for rids in self.commits.rids for rid in rids}
         for node in self.nodes.values():
-            plugin = node.shell.plugin  # type: ignore[union-attr]
-            for item, n in self.written.items():
-                try:
-                    doc = plugin.query({"kind": "get_item", "id": item})
-                except NotFound:
-                    doc = None
-                except ValueError as exc:  # a stored doc that no longer decodes: damaged state
-                    self.fail(f"{node.name}: item {item} is unreadable: {exc}")
-                if item in acked_items and doc != {"n": n}:
-                    self.fail(f"{node.name}: acknowledged item {item} reads {doc!r}")
-                if doc is not None and item not in committed:
-                    self.fail(f"{node.name}: item {item} is there but was never committed")
-                if doc is not None and doc != {"n": n}:
-                    self.fail(f"{node.name}: item {item} reads {doc!r}, written as {{'n': {n}}}")
+            # (A replica dropped from the group was checked when its worker dropped it.)
+            if node.hosted and node.shell is not None:
+                self.check_items(node.name, node.shell.plugin, complete=self.is_member(node.name))
         self.stats["short_writes"] = sum(n.storage.short_writes for n in self.nodes.values())
         self.stats["acked"] = len(self.commits.acked)
         self.stats["committed"] = self.commits.last
+
+    def check_items(self, name: str, plugin: Any, complete: bool) -> None:
+        """What replica `name`'s state machine holds: nothing that was never
+        committed, each item as written, and (`complete`: a member of the
+        group that converged) every acknowledged write."""
+        acked_items = {f"k{rid[1:]}" for rid in self.commits.acked}
+        committed = {f"k{rid[1:]}" for rids in self.commits.rids for rid in rids}
+        for item, n in self.written.items():
+            try:
+                doc = plugin.query({"kind": "get_item", "id": item})
+            except NotFound:
+                doc = None
+            except ValueError as exc:  # a stored doc that no longer decodes: damaged state
+                self.fail(f"{name}: item {item} is unreadable: {exc}")
+            if complete and item in acked_items and doc != {"n": n}:
+                self.fail(f"{name}: acknowledged item {item} reads {doc!r}")
+            if doc is not None and item not in committed:
+                self.fail(f"{name}: item {item} is there but was never committed")
+            if doc is not None and doc != {"n": n}:
+                self.fail(f"{name}: item {item} reads {doc!r}, written as {{'n': {n}}}")
 
 
 # What a crash interrupted, innermost first: the shell's and the WAL's steps
