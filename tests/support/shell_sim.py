@@ -404,6 +404,7 @@ class ShellSim:
         self.m_voters: tuple[str, ...] = tuple(self.names[:self.p.nodes])
         self.m_learners: tuple[str, ...] = ()
         self.m_conf_ver = 0
+        self.m_operator: tuple[str, str] | None = None  # the staged operator in progress: (add|remove, worker)
         self.m_call: str | None = None  # the membership change meta has asked of the leader and awaits
         self.ready: dict[int, str] = {}  # term -> the replica that reported itself its ready leader
         self.written: dict[str, int] = {}  # item id -> the n its doc holds
@@ -854,6 +855,8 @@ class ShellSim:
                     self.deliver_view(node)
             if self.rng.random() < 0.5:
                 self.meta_record()
+            if self.m_operator is not None and not self.calm and self.rng.random() < 0.2:
+                self.advance_operator()  # meta's controller advances an operator on its own
             leader = self.nodes.get(self.m_leader or "")
             r = leader.shell.replica if leader is not None and leader.up and leader.shell is not None else None
             healthy = r is not None and r.ready and r.term == self.m_term and r.has_quorum
@@ -936,36 +939,60 @@ class ShellSim:
     # -- membership ------------------------------------------------------------------
 
     def membership_step(self) -> None:
-        """One step of a staged membership change, taken as meta's operators
-        take it (meta/controller.py `advance_operator`; started by
-        meta/server.py `replicas`): add a worker as a learner; once it has
-        caught up, promote it; remove a voter, the leader handing its
-        leadership over first. Meta runs one operator per group, so while a
-        learner is on its way in, the step is about it."""
-        if self.m_call is not None:
-            return  # one membership call in progress per group
-        leader = self.nodes.get(self.m_leader or "")
-        if leader is None or self.ready.get(self.m_term) != leader.name or not leader.up:
-            return  # advance_operator waits for a ready leader
+        """An operator's hand on the group's membership (meta/server.py
+        `replicas`, `cancel_operator`): start a staged operator when none is
+        in progress -- add a worker that hosts no replica, or remove a
+        member -- else take its next step, or now and then cancel it
+        (between two steps, which leaves a consistent group, perhaps with a
+        learner that a later removal takes out)."""
         rng = self.rng
-        if self.m_learners:
-            who = self.m_learners[0]
-            if rng.random() < 0.2:
-                self.ask_members(leader, "remove", who)  # the add was cancelled: the learner goes
-            elif self.caught_up(who):
-                self.ask_members(leader, "promote", who)
+        if self.m_operator is not None:
+            if rng.random() < 0.1:
+                self.stats["members_operator_cancelled"] += 1
+                self.log(f"OPERATOR {self.m_operator} cancelled")
+                self.m_operator = None
+            else:
+                self.advance_operator()
             return
         outside = [n for n in self.names if not self.is_member(n) and self.worker_live(n)]
-        removable = [v for v in self.m_voters if self.may_remove(v)]
+        removable = [n for n in (*self.m_voters, *self.m_learners) if self.may_remove(n)]
         if outside and (not removable or rng.random() < 0.5):
-            self.ask_members(leader, "add_learner", rng.choice(outside))
+            self.m_operator = ("add", rng.choice(outside))
         elif removable:
-            who = rng.choice(removable)
-            if who != leader.name:
-                self.ask_members(leader, "remove", who)
-                return
-            # The leader cannot remove itself: the operator's `transfer` step
-            # moves the leadership to the live, most caught-up voter first.
+            # A learner left behind by a cancelled add goes first.
+            self.m_operator = ("remove", self.m_learners[0] if self.m_learners else rng.choice(removable))
+        else:
+            return
+        self.stats[f"members_operator_{self.m_operator[0]}"] += 1
+        self.log(f"OPERATOR {self.m_operator} started")
+        self.advance_operator()
+
+    def advance_operator(self) -> None:
+        """The operator's next step, from what meta knows now, as
+        meta/controller.py `advance_operator` takes it: an add goes learner,
+        catch up, promote; a removal moves the leadership away from the
+        worker first. One membership call at a time, and only with a ready
+        leader."""
+        op = self.m_operator
+        leader = self.nodes.get(self.m_leader or "")
+        if op is None or self.m_call is not None or leader is None or not leader.up \
+                or self.ready.get(self.m_term) != leader.name:
+            return
+        kind, who = op
+        if (kind == "add" and who in self.m_voters) or (kind == "remove" and not self.is_member(who)):
+            self.stats[f"members_operator_{kind}_done"] += 1
+            self.log(f"OPERATOR {op} done")
+            self.m_operator = None
+        elif kind == "add" and who not in self.m_learners:
+            self.ask_members(leader, "add_learner", who)
+        elif kind == "add":
+            if self.caught_up(who):
+                self.ask_members(leader, "promote", who)
+        elif who != leader.name:
+            self.ask_members(leader, "remove", who)
+        else:
+            # The leader cannot remove itself: the `transfer` step moves the
+            # leadership to the live, most caught-up voter first.
             others = [v for v in self.m_voters if v != who and self.nodes[v].up and self.nodes[v].shell is not None]
             if others and leader.shell is not None:
                 target = max(others, key=self.position)
@@ -979,12 +1006,12 @@ class ShellSim:
         node = self.nodes[name]
         return node.up or not node.hosted
 
-    def may_remove(self, voter: str) -> bool:
+    def may_remove(self, member: str) -> bool:
         """meta/server.py `replicas`: the voters that remain must hold a live
         majority. And at least three must remain: the fault model's one
         damaged log at a time needs three voters (two cannot start a term
         while one of them re-syncs, and one alone would lose it all)."""
-        remaining = [v for v in self.m_voters if v != voter]
+        remaining = [v for v in self.m_voters if v != member]
         live = [v for v in remaining if self.worker_live(v)]
         return len(remaining) >= 3 and len(live) >= len(remaining) // 2 + 1
 

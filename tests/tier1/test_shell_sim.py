@@ -72,5 +72,9 @@ def test_runs_exercise_the_shell() -> None:
         "reopened_after_disk_error",
         "snapshot_installed", "download_cut", "download_busy", "download_flipped",
         "partition", "transfer_done", "short_writes",
+        # membership: each step of meta's operators completed, recorded by meta,
+        # a new replica caught up by a download, a removed one dropped by its worker
+        "members_add_learner", "members_promote", "members_remove", "members_recorded",
+        "learner_snapshot_installed", "members_dropped",
     ):
         assert total[what] > 0, f"no {what} in 60 seeds: {dict(total)}"
