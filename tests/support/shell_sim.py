@@ -438,12 +438,13 @@ class ShellSim:
             self.loop.stop()
         raise exc
 
-    def spawn(self, coro: Any, node: SimNode | None = None) -> None:
+    def spawn(self, coro: Any, node: SimNode | None = None) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
         task.add_done_callback(self._task_done)
         if node is not None:
             node.tasks[task] = None
             task.add_done_callback(lambda t: node.tasks.pop(t, None))
+        return task
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -1027,22 +1028,24 @@ class ShellSim:
         self.m_call = f"{step} {who}"
         self.stats[f"members_{step}_asked"] += 1
         self.log(f"MEMBERS {step} {who} asked of {leader.name}")
-        # The worker's route dies with its process.
-        self.spawn(self.members_call(leader, step, who), leader)
+        # The worker's route dies with its process (a task cancelled before
+        # it ran never enters its `finally`: the callback ends the call).
+        task = self.spawn(self.members_call(leader, step, who), leader)
+        task.add_done_callback(self._members_call_done)
+
+    def _members_call_done(self, task: asyncio.Task[Any]) -> None:
+        self.m_call = None
 
     async def members_call(self, node: SimNode, step: str, who: str) -> None:
         """Meta's ChangeMembers: POST /v1/groups/{g}/members to the leader,
         whose route (worker/server.py `members`) waits for the change to
         commit, or answers an error, or `deadline_exceeded` (outcome unknown)."""
-        try:
-            await asyncio.sleep(self.rng.randint(1, 10) / 1000)
-            shell = node.shell
-            if not node.up or shell is None:
-                self.stats[f"members_{step}_unreachable"] += 1
-                return
-            out = await shell.change_members({step: who}, DEFAULT_TIMEOUT_S)
-        finally:
-            self.m_call = None
+        await asyncio.sleep(self.rng.randint(1, 10) / 1000)
+        shell = node.shell
+        if not node.up or shell is None:
+            self.stats[f"members_{step}_unreachable"] += 1
+            return
+        out = await shell.change_members({step: who}, DEFAULT_TIMEOUT_S)
         if out.ok:
             self.stats[f"members_{step}"] += 1
             self.log(f"MEMBERS {step} {who} committed at {out.seq}")
