@@ -758,6 +758,27 @@ def test_a_proxy_bare_503_is_a_proxy_error_with_unknown_outcome(fakes: Callable[
         assert type(res) is ProxyError and res.status == 503 and res.applied is None
 
 
+_OK_PAYLOAD = b'{"entity":"u","value":1,"seq":3}'
+_OK_ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+              b"x-shard: 0\r\nx-seq: 3\r\nContent-Length: %d\r\n\r\n" % len(_OK_PAYLOAD) + _OK_PAYLOAD)
+
+
+def _read_request(conn: socket.socket, buf: bytes) -> bytes:
+    """Read one whole HTTP request (head, then Content-Length bytes) that starts in `buf`;
+    what follows it. ConnectionError when the client closes before the head is whole."""
+    while b"\r\n\r\n" not in buf:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body[length:]
+
+
 class _ClosingServer:
     """Answers one request per connection, says keep-alive, then closes it: the client pools
     a connection the server has closed (a gateway restart, a proxy's idle timeout)."""
@@ -783,25 +804,11 @@ class _ClosingServer:
             self.connections += 1
             with conn:
                 conn.settimeout(2.0)
-                buf = b""
                 try:
-                    while b"\r\n\r\n" not in buf:
-                        chunk = conn.recv(65536)
-                        if not chunk:
-                            break
-                        buf += chunk
-                    if not buf:
-                        continue
-                    head, _, body = buf.partition(b"\r\n\r\n")
-                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length:")), 0)
-                    while len(body) < length:
-                        body += conn.recv(65536)
+                    _read_request(conn, b"")
                     self.requests += 1
-                    payload = b'{"entity":"u","value":1,"seq":3}'
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
-                                 b"x-shard: 0\r\nx-seq: 3\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-                except OSError:
+                    conn.sendall(_OK_ANSWER)
+                except OSError:  # ConnectionError too: closed before a whole request
                     continue
 
     def close(self) -> None:
@@ -944,30 +951,16 @@ class _DyingServer:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _read_request(self, conn: socket.socket, buf: bytes) -> bytes:
-        while b"\r\n\r\n" not in buf:
-            chunk = conn.recv(65536)
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        head, _, body = buf.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(body) < length:
-            body += conn.recv(65536)
-        self.requests += 1
-        return body[length:]
-
     def _run(self) -> None:
         try:
             conn, _ = self.srv.accept()
             with conn:
                 conn.settimeout(5.0)
-                rest = self._read_request(conn, b"")
-                payload = b'{"entity":"u","value":1,"seq":3}'
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
-                             b"x-shard: 0\r\nx-seq: 3\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-                self._read_request(conn, rest)
+                rest = _read_request(conn, b"")
+                self.requests += 1
+                conn.sendall(_OK_ANSWER)
+                _read_request(conn, rest)
+                self.requests += 1
                 self.srv.close()  # no more connections: the gateway is gone
         except OSError:
             pass
